@@ -1,0 +1,63 @@
+"""Tiny random models built from a config: fast, exact (fp32) and offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+VOCAB = 96
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 4, vocab: int = VOCAB, hidden: int = 32):
+    """A random causal LM with `layers` decoder layers, fp32, eval mode, on CPU."""
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common)
+    elif arch == "gemma3":
+        config = Gemma3TextConfig(**common, head_dim=8, sliding_window=16, query_pre_attn_scalar=8)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform logits; scale the head so distributions are peaked like a real LM's.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llama_pair():
+    """(target, draft): two different random Llamas sharing a vocabulary."""
+    return tiny_model("llama", seed=0, layers=4), tiny_model("llama", seed=1, layers=2)
+
+
+@pytest.fixture(scope="session")
+def qwen_pair():
+    return tiny_model("qwen2", seed=2, layers=4), tiny_model("qwen2", seed=3, layers=2)
+
+
+def noisy_copy(model, scale: float = 0.1, seed: int = 0):
+    """A draft that mostly agrees with ``model``: its weights plus relative Gaussian noise."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
+    return draft.eval()

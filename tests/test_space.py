@@ -1,0 +1,325 @@
+"""Search-space loading, validation and trial decoding (fast: optuna in-memory studies only)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from viasd_tune.errors import UserError
+from viasd_tune.search.space import (
+    FloatRange,
+    TrialConfig,
+    enqueue_known_points,
+    evenly_spaced_skip,
+    load_space,
+    space_signature,
+    suggest,
+)
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+ALL = ["model", "self", "lookup"]
+DEFAULT_DOC = yaml.safe_load((Path(__file__).parents[1] / "search_spaces" / "default.yaml").read_text())
+
+
+def write(tmp_path: Path, data: object, name: str = "space.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(path)
+
+
+def edited(**changes: object) -> dict:
+    """The default document with top-level keys replaced (None removes a key)."""
+    doc = yaml.safe_load(yaml.safe_dump(DEFAULT_DOC))
+    for key, value in changes.items():
+        if value is None:
+            doc.pop(key)
+        else:
+            doc[key] = value
+    return doc
+
+
+def with_skip(**changes: object) -> dict:
+    skip = dict(DEFAULT_DOC["skip"])
+    for key, value in changes.items():
+        if value is None:
+            skip.pop(key)
+        else:
+            skip[key] = value
+    return edited(skip=skip)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_shipped_spaces_load() -> None:
+    default, smoke = load_space("default"), load_space("smoke")
+    assert default.skip.encoding == "budget" and default.skip.sublayers == ("attn", "mlp")
+    assert default.skip.budget == FloatRange(0.0, 0.4)
+    assert default.tau_escalate == FloatRange(0.05, 20.0, log=True)
+    assert default.kl == ("forward", "reverse", "js") and default.gamma == (3, 4, 5, 6, 8)
+    assert default.drafter == ("model", "self", "lookup")
+    assert default.self_draft_skip_fraction == FloatRange(0.3, 0.6)
+    assert default.source.endswith("default.yaml")
+    assert smoke.gamma == (2, 3) and smoke.drafter == ("model", "lookup")
+    assert smoke.skip.budget is not None and smoke.skip.budget.high == 0.3
+    assert smoke.self_draft_skip_fraction is None
+
+
+def test_path_loads_same_content_as_name(tmp_path: Path) -> None:
+    space = load_space(write(tmp_path, DEFAULT_DOC))
+    assert space.source == str(tmp_path / "space.yaml")
+    assert space_signature(space, 30) == space_signature(load_space("default"), 30)
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        (edited(kl=["forward", "kl2"]), "$.kl[1]: 'kl2' is not one of"),
+        (edited(drafter=["medusa"]), "$.drafter[0]: 'medusa' is not one of"),
+        (edited(gamma=[0, 3]), "$.gamma[0]: 0 is less than the minimum of 1"),
+        (edited(gamma=[2.5]), "$.gamma[0]: 2.5 is not of type 'integer'"),
+        (edited(gamma=[]), "$.gamma: [] should be non-empty"),
+        (edited(gamma=[3, 3]), "$.gamma: [3, 3] has non-unique elements"),
+        (edited(version=2), "$.version: 1 was expected"),
+        (edited(extra=1), "$: unknown key 'extra'; remove or rename it"),
+        (edited(kl=None), "$: missing key 'kl'; add it"),
+        (edited(self_draft=None), "$: missing key 'self_draft' (needed because drafter lists 'self')"),
+        (edited(tau_escalate={"low": 5.0, "high": 1.0}), "$.tau_escalate: low 5.0 > high 1.0"),
+        (edited(tau_escalate={"low": 0.0, "high": 1.0, "log": True}), "$.tau_escalate.low: must be > 0"),
+        (edited(tau_escalate={"low": -1, "high": 1}), "$.tau_escalate.low: -1 is less than the minimum of 0"),
+        (edited(tau_escalate={"low": 1, "high": 2, "step": 1}), "$.tau_escalate: unknown key 'step'"),
+        (edited(tau_accept_ratio={"low": 0.1, "high": 2.0}), "$.tau_accept_ratio.high: 2.0 is greater than"),
+        (edited(self_draft={"skip_fraction": {"low": 0.3, "high": 1.5}}), "$.self_draft.skip_fraction.high"),
+        (with_skip(encoding="dense"), "$.skip.encoding: 'dense' is not one of"),
+        (with_skip(sublayers=["attn", "ffn"]), "$.skip.sublayers[1]: 'ffn' is not one of"),
+        (with_skip(protect_first=-1), "$.skip.protect_first: -1 is less than the minimum of 0"),
+        (with_skip(protect_last=True), "$.skip.protect_last: True is not of type 'integer'"),
+        (with_skip(budget=None), "$.skip: missing key 'budget' (needed by skip.encoding: budget)"),
+        (
+            with_skip(budget={"min": 0.0, "max": 1.2}),
+            "$.skip.budget.max: 1.2 is greater than the maximum of 1",
+        ),
+        (with_skip(budget={"min": 0.3, "max": 0.1}), "$.skip.budget: min 0.3 > max 0.1"),
+        (
+            with_skip(budget={"low": 0.0, "high": 0.4}),
+            "$.skip.budget: unknown keys 'high', 'low'; remove or rename it (allowed: min, max)",
+        ),
+        ([1, 2], "$: [1, 2] is not of type 'object'"),
+        ("", "$: the file is empty"),
+        ("skip: [unclosed\n", "invalid YAML at line 2 column 1"),
+        ("a: !!python/object:os.system x\n", "invalid YAML"),
+    ],
+)
+def test_invalid_space_is_one_line_user_error(tmp_path: Path, doc: object, expected: str) -> None:
+    path = write(tmp_path, doc)
+    with pytest.raises(UserError) as info:
+        load_space(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"search space {path}: ")
+    assert expected in message
+
+
+def test_missing_file_and_unknown_name(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"nope\.yaml: file not found"):
+        load_space(str(tmp_path / "nope.yaml"))
+    with pytest.raises(UserError, match="not a shipped space"):
+        load_space("fancy")
+
+
+def test_optional_sections_when_unused(tmp_path: Path) -> None:
+    # per_sublayer needs no budget; a space without the self drafter needs no self_draft.
+    doc = edited(drafter=["model", "lookup"], self_draft=None)
+    doc["skip"] = {k: v for k, v in doc["skip"].items() if k != "budget"} | {"encoding": "per_sublayer"}
+    space = load_space(write(tmp_path, doc))
+    assert space.skip.budget is None and space.self_draft_skip_fraction is None
+
+
+# ---------------------------------------------------------------- suggest
+
+
+def check_config(cfg: TrialConfig, trial: optuna.trial.FrozenTrial, space, num_layers: int) -> None:
+    eligible = set(range(space.skip.protect_first, num_layers - space.skip.protect_last))
+    assert set(cfg.skip_attn) <= eligible and set(cfg.skip_mlp) <= eligible
+    assert list(cfg.skip_attn) == sorted(set(cfg.skip_attn))
+    assert list(cfg.skip_mlp) == sorted(set(cfg.skip_mlp))
+    assert 0.0 <= cfg.tau_accept <= cfg.tau_escalate
+    assert cfg.kl in space.kl and cfg.gamma in space.gamma and cfg.drafter in space.drafter
+    assert trial.user_attrs["config"] == cfg.to_dict()
+    params = trial.params
+    if params["escalate_all"]:
+        assert cfg.tau_escalate == 0.0 and not cfg.skip_attn and not cfg.skip_mlp
+        assert "tau_escalate" not in params and "kl" not in params
+    else:
+        assert space.tau_escalate.low <= cfg.tau_escalate <= space.tau_escalate.high
+        assert cfg.kl == params["kl"]
+    if cfg.drafter == "self":
+        n = len(eligible)
+        assert len(cfg.draft_skip_attn) == round(params["self_skip_frac"] * n)
+        assert cfg.draft_skip_attn == cfg.draft_skip_mlp and set(cfg.draft_skip_attn) <= eligible
+    else:
+        assert cfg.draft_skip_attn == cfg.draft_skip_mlp == ()
+
+
+def run_study(space, num_layers: int, drafters: list[str], n_trials: int = 50, seed: int = 0):
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    configs: list[TrialConfig] = []
+
+    def objective(trial: optuna.Trial) -> float:
+        configs.append(suggest(trial, space, num_layers, drafters))
+        return 0.0
+
+    study.optimize(objective, n_trials=n_trials)
+    return study, configs
+
+
+@pytest.mark.parametrize("num_layers", [4, 30])
+@pytest.mark.parametrize("name", ["default", "smoke"])
+def test_suggest_budget_invariants(name: str, num_layers: int) -> None:
+    space = load_space(name)
+    study, configs = run_study(space, num_layers, ALL)
+    n_slots = 2 * (num_layers - 2)
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        check_config(cfg, trial, space, num_layers)
+        if not trial.params["escalate_all"]:
+            assert len(cfg.skip_attn) + len(cfg.skip_mlp) == round(trial.params["skip_frac"] * n_slots)
+            scores = {}
+            for key, value in trial.params.items():
+                if key.startswith("score_"):
+                    _, kind, layer = key.split("_")
+                    scores[kind, int(layer)] = value
+            assert len(scores) == n_slots
+            skipped = {("attn", i) for i in cfg.skip_attn} | {("mlp", i) for i in cfg.skip_mlp}
+            kept = scores.keys() - skipped
+            if skipped and kept:
+                assert min(scores[s] for s in skipped) >= max(scores[s] for s in kept)
+    assert {c.drafter for c in configs} == set(space.drafter)
+    assert any(c.tau_escalate == 0.0 for c in configs) and any(c.skip_attn or c.skip_mlp for c in configs)
+
+
+def test_suggest_per_sublayer_and_attn_only(tmp_path: Path) -> None:
+    doc = with_skip(encoding="per_sublayer", sublayers=["attn"], protect_first=2)
+    space = load_space(write(tmp_path, doc))
+    study, configs = run_study(space, 10, ALL)
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        check_config(cfg, trial, space, 10)
+        assert cfg.skip_mlp == ()
+        if not trial.params["escalate_all"]:
+            switches = {k: v for k, v in trial.params.items() if k.startswith("skip_")}
+            assert set(switches) == {f"skip_attn_{i}" for i in range(2, 9)}
+            assert cfg.skip_attn == tuple(i for i in range(2, 9) if switches[f"skip_attn_{i}"])
+
+
+def test_budget_ties_broken_by_index() -> None:
+    space = load_space("smoke")
+    params = {"drafter": "model", "gamma": 2, "escalate_all": False, "kl": "js", "tau_escalate": 1.0}
+    params |= {"tau_accept_ratio": 0.5, "skip_frac": 0.25}
+    params |= {f"score_{k}_{i}": 0.5 for i in range(1, 5) for k in ("attn", "mlp")}
+    cfg = suggest(optuna.trial.FixedTrial(params), space, 6, ALL)  # 8 slots, k = 2
+    assert (cfg.skip_attn, cfg.skip_mlp) == ((1,), (1,))
+    assert cfg.tau_accept == 0.5 and cfg.kl == "js"
+
+
+def test_drafters_intersection_and_errors() -> None:
+    space = load_space("default")
+    _, configs = run_study(space, 8, ["lookup", "self"], n_trials=20)
+    assert {c.drafter for c in configs} <= {"self", "lookup"}
+    with pytest.raises(UserError, match=r"\$\.drafter: none of .* is available"):
+        suggest(optuna.trial.FixedTrial({}), load_space("smoke"), 8, ["self"])
+    with pytest.raises(UserError, match="leave no skippable layer in this 2-layer model"):
+        suggest(optuna.trial.FixedTrial({}), space, 2, ALL)
+
+
+# ---------------------------------------------------------------- known points, helpers, signature
+
+
+@pytest.mark.parametrize(
+    ("name", "drafters", "gamma", "drafter"),
+    [
+        ("default", ALL, 4, "model"),
+        ("default", ["self", "lookup"], 4, "self"),
+        ("smoke", ["lookup"], 3, "lookup"),
+    ],
+)
+def test_enqueue_known_points_end_to_end(name: str, drafters: list[str], gamma: int, drafter: str) -> None:
+    space = load_space(name)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=1, n_startup_trials=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no out-of-range fixed-param warnings
+        enqueue_known_points(study, space, 12, drafters)
+        enqueue_known_points(study, space, 12, drafters)  # resumed study: not enqueued twice
+        assert len(study.trials) == 2
+        configs: list[TrialConfig] = []
+        study.optimize(lambda t: configs.append(suggest(t, space, 12, drafters)) or 0.0, n_trials=6)
+    no_skip, plain = configs[:2]
+    draft_skip = ()
+    if drafter == "self":
+        draft_skip = tuple(evenly_spaced_skip(12, round(0.45 * 10), 1, 1))
+    assert no_skip == TrialConfig(
+        skip_attn=(),
+        skip_mlp=(),
+        tau_accept=math.sqrt(0.001 * 1.0) * math.sqrt(0.05 * 20.0),  # geometric mids
+        tau_escalate=math.sqrt(0.05 * 20.0),
+        kl=space.kl[0],
+        gamma=gamma,
+        drafter=drafter,
+        draft_skip_attn=draft_skip,
+        draft_skip_mlp=draft_skip,
+    )
+    assert plain == TrialConfig((), (), 0.0, 0.0, space.kl[0], gamma, drafter, draft_skip, draft_skip)
+    assert [t.params["escalate_all"] for t in study.trials[:2]] == [False, True]
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        check_config(cfg, trial, space, 12)
+
+
+def test_known_points_per_sublayer(tmp_path: Path) -> None:
+    space = load_space(write(tmp_path, with_skip(encoding="per_sublayer", budget=None)))
+    study = optuna.create_study()
+    enqueue_known_points(study, space, 6, ALL)
+    first = study.ask()
+    cfg = suggest(first, space, 6, ALL)
+    assert (
+        first.params["skip_attn_1"] is False and len([k for k in first.params if k.startswith("skip_")]) == 8
+    )
+    assert (cfg.skip_attn, cfg.skip_mlp, cfg.gamma, cfg.drafter) == ((), (), 4, "model")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((10, 0, 1, 1), []),
+        ((10, 1, 1, 1), [5]),
+        ((10, 2, 1, 1), [3, 7]),
+        ((10, 4, 1, 1), [2, 4, 6, 8]),
+        ((10, 8, 1, 1), list(range(1, 9))),
+        ((10, 99, 1, 1), list(range(1, 9))),
+        ((10, 3, 0, 0), [1, 5, 8]),
+        ((3, 1, 2, 2), []),
+    ],
+)
+def test_evenly_spaced_skip(args: tuple[int, int, int, int], expected: list[int]) -> None:
+    assert evenly_spaced_skip(*args) == expected
+
+
+def test_evenly_spaced_skip_properties() -> None:
+    for layers in range(1, 40):
+        for count in range(layers):
+            got = evenly_spaced_skip(layers + 2, count, 1, 1)
+            assert len(got) == count and got == sorted(set(got)) and all(1 <= i <= layers for i in got)
+
+
+def test_space_signature() -> None:
+    space = load_space("default")
+    sig = space_signature(space, 30)
+    assert len(sig) == 64 and sig == space_signature(load_space("default"), 30)
+    assert sig == space_signature(replace(space, source="elsewhere.yaml"), 30)
+    assert sig != space_signature(space, 31)
+    assert sig != space_signature(replace(space, gamma=(3, 4)), 30)
+    assert sig != space_signature(replace(space, skip=replace(space.skip, protect_last=2)), 30)
+    assert sig != space_signature(load_space("smoke"), 30)

@@ -1,0 +1,173 @@
+"""One object that holds the models and a decoding configuration and serves ``generate()``: what the CLI,
+the search and the runtime all call."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..routing import SkipSet, install_skipping, num_layers
+from . import ar, sd, viasd
+from .common import Result, Sampling, Stats
+from .drafters import LookupDrafter, ModelDrafter
+
+MODES = ("ar", "sd", "viasd")
+DRAFTERS = ("model", "self", "lookup")
+KL_KINDS = ("forward", "reverse", "js")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything a profile pins about decoding, except the models themselves."""
+
+    mode: str = "viasd"
+    gamma: int = 5
+    drafter: str = "model"
+    skip: SkipSet = field(default_factory=SkipSet)  # the slim verifier's
+    draft_skip: SkipSet = field(default_factory=SkipSet)  # the self-draft's (drafter == "self")
+    tau_accept: float = 0.0
+    tau_escalate: float = 0.0
+    kl: str = "forward"
+
+    def validate(self, n_layers: int, has_draft_model: bool) -> DecodeConfig:
+        if self.mode not in MODES:
+            raise UserError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if self.mode == "ar":
+            return self
+        if self.gamma < 1:
+            raise UserError(
+                f"gamma must be at least 1 (got {self.gamma}); it is the number of drafted tokens per round"
+            )
+        if self.drafter not in DRAFTERS:
+            raise UserError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)}")
+        if self.drafter == "model" and not has_draft_model:
+            raise UserError(
+                "drafter 'model' needs a draft model; pass --draft, or use --draft-skip (self) or lookup"
+            )
+        if self.drafter == "self":
+            if self.draft_skip.is_empty:
+                raise UserError("the self-draft needs a skip set; pass --draft-skip-attn/--draft-skip-mlp")
+            self.draft_skip.validate(n_layers)
+        if self.mode == "viasd":
+            if self.kl not in KL_KINDS:
+                raise UserError(f"unknown --kl {self.kl!r}; use one of {', '.join(KL_KINDS)}")
+            if self.tau_accept < 0 or self.tau_escalate < 0:
+                raise UserError("thresholds must be >= 0 (tau_accept and tau_escalate)")
+            if self.tau_accept > self.tau_escalate:
+                raise UserError(
+                    f"tau_accept ({self.tau_accept}) is above tau_escalate ({self.tau_escalate}); "
+                    "tau_accept must be <= tau_escalate"
+                )
+            self.skip.validate(n_layers)
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["skip"] = self.skip.to_dict()
+        d["draft_skip"] = self.draft_skip.to_dict()
+        return d
+
+
+class Decoder:
+    """Target (+ optional draft model) and a :class:`DecodeConfig`; ``generate`` runs one request."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        tokenizer,
+        config: DecodeConfig,
+        draft: nn.Module | None = None,
+        eos: set[int] | None = None,
+    ):
+        from ..models import eos_ids
+
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        uses_skipping = config.mode == "viasd" or (config.mode == "sd" and config.drafter == "self")
+        self.config = config.validate(num_layers(target) if uses_skipping else 0, draft is not None)
+        if config.mode != "ar" and not (config.skip.is_empty and config.draft_skip.is_empty):
+            install_skipping(target)
+        self.eos = eos if eos is not None else eos_ids(target, tokenizer)
+
+    def encode(self, prompt, chat: str = "auto") -> torch.Tensor:
+        """Prompt text, chat messages or token ids → 1-D id tensor on the target's device."""
+        if isinstance(prompt, torch.Tensor):
+            ids = prompt.flatten().tolist()
+        elif isinstance(prompt, str):
+            from ..prompts import encode_prompt
+
+            ids = encode_prompt(self.tokenizer, prompt, chat)
+        elif prompt and isinstance(prompt[0], dict):
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise UserError("the prompt is empty; give at least one token of text")
+        return torch.tensor(ids, dtype=torch.long, device=self.target.device)
+
+    def _drafter_factory(self, sampling: Sampling, gen):
+        cfg = self.config
+
+        def make(stats: Stats):
+            if cfg.drafter == "lookup":
+                return LookupDrafter(stats)
+            if cfg.drafter == "self":
+                return ModelDrafter(self.target, sampling, gen, stats, skip=cfg.draft_skip)
+            return ModelDrafter(self.draft, sampling, gen, stats)
+
+        return make
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        chat: str = "auto",
+    ) -> Result:
+        """Decode one request. ``prompt``: text, chat messages, or token ids. Returns ids, text and stats."""
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise UserError("temperature must be >= 0 and top_p in (0, 1]")
+        ids = self.encode(prompt, chat)
+        sampling = Sampling(temperature, top_p)
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=ids.device)
+            gen.manual_seed(seed if seed is not None else torch.seed())
+        cfg = self.config
+        if cfg.mode == "ar":
+            result = ar.generate(self.target, ids, max_new_tokens, self.eos, sampling, gen)
+        elif cfg.mode == "sd":
+            result = sd.generate(
+                self.target,
+                self._drafter_factory(sampling, gen),
+                ids,
+                max_new_tokens,
+                self.eos,
+                cfg.gamma,
+                sampling,
+                gen,
+            )
+        else:
+            routing = viasd.Routing(cfg.skip, cfg.tau_accept, cfg.tau_escalate, cfg.kl)
+            result = viasd.generate(
+                self.target,
+                self._drafter_factory(sampling, gen),
+                ids,
+                max_new_tokens,
+                self.eos,
+                cfg.gamma,
+                routing,
+                sampling,
+                gen,
+            )
+        if self.tokenizer is not None:
+            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return result

@@ -1,0 +1,226 @@
+"""Routing profiles: the versioned JSON a tuning run exports and a serving run loads.
+
+A profile is plain data checked against a JSON Schema shipped in the package, plus the few cross-field rules a
+schema cannot express. Loading never executes anything (no pickle, no eval), so a profile from elsewhere is safe
+to open; every problem surfaces as a one-line :class:`UserError` naming the JSON path to fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from jsonschema.exceptions import best_match
+
+from viasd_tune.errors import UserError
+from viasd_tune.fsutil import atomic_write_text
+
+SCHEMA_VERSION = 1
+_SCHEMA_FILE = "profile.schema.json"
+
+
+@functools.lru_cache(maxsize=1)
+def load_schema() -> dict[str, Any]:
+    """The profile JSON Schema, read from package data so it works from a wheel or a zip."""
+    text = resources.files("viasd_tune").joinpath("schemas", _SCHEMA_FILE).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+@functools.lru_cache(maxsize=1)
+def _validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(load_schema())
+
+
+def _short(text: str, limit: int = 200) -> str:
+    """One line, bounded length: schema messages can embed a whole sub-object's repr."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _where(origin: str) -> str:
+    return f"{origin}: " if origin else ""
+
+
+def _fail(origin: str, path: str, problem: str) -> UserError:
+    return UserError(_short(f"{_where(origin)}invalid profile at {path}: {problem}", 400))
+
+
+def validate_profile(profile: dict[str, Any], origin: str = "") -> dict[str, Any]:
+    """Check ``profile`` against the schema and the cross-field rules; return it unchanged if valid.
+
+    ``origin`` (e.g. the file name) prefixes the message so the user knows which file to edit.
+    The version check runs first so a profile from a newer viasd-tune gets "upgrade" advice instead of a
+    confusing schema error about fields this version does not know.
+    """
+    version = profile.get("schema_version") if isinstance(profile, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise UserError(
+            f"{_where(origin)}profile schema version {version} is newer than this viasd-tune supports "
+            f"({SCHEMA_VERSION}); upgrade viasd-tune"
+        )
+    error = best_match(_validator().iter_errors(profile))
+    if error is not None:
+        raise _fail(origin, error.json_path, f"{_short(error.message)}; fix that field (see {_SCHEMA_FILE})")
+    _check_semantics(profile, origin)
+    return profile
+
+
+def _check_semantics(profile: dict[str, Any], origin: str) -> None:
+    """Rules that span fields or that JSON Schema cannot say (order, finiteness, secrets)."""
+    bad = _first_non_finite(profile, "$")
+    if bad:
+        raise _fail(origin, bad, "NaN/Infinity is not valid JSON; use a finite number")
+
+    th = profile["thresholds"]
+    if th["tau_accept"] > th["tau_escalate"]:
+        raise _fail(
+            origin,
+            "$.thresholds",
+            f"tau_accept ({th['tau_accept']}) > tau_escalate ({th['tau_escalate']}); "
+            "tau_accept must not exceed tau_escalate",
+        )
+
+    if profile["drafter"] != profile["draft"]["kind"]:
+        raise _fail(
+            origin,
+            "$.drafter",
+            f"'{profile['drafter']}' differs from draft.kind '{profile['draft']['kind']}'",
+        )
+
+    for key in ("skip_attn", "skip_mlp"):
+        if key in profile["draft"] and profile["draft"]["kind"] != "self":
+            raise _fail(
+                origin,
+                f"$.draft.{key}",
+                "only a 'self' drafter skips layers; remove it or set draft.kind to 'self'",
+            )
+
+    num_layers = profile["target"]["fingerprint"]["num_layers"]
+    for section in ("routing", "draft"):
+        for key in ("skip_attn", "skip_mlp"):
+            layers = profile[section].get(key, [])
+            path = f"$.{section}.{key}"
+            if layers != sorted(layers):
+                raise _fail(origin, path, f"{layers} is not sorted; list layer indices in ascending order")
+            if layers and layers[-1] >= num_layers:
+                raise _fail(
+                    origin,
+                    path,
+                    f"layer {layers[-1]} is out of range; the target has {num_layers} layers (0..{num_layers - 1})",
+                )
+
+    storage = profile["provenance"]["storage"]
+    if redact_url(storage) != storage:
+        raise _fail(origin, "$.provenance.storage", "contains a password; store redact_url(storage) instead")
+
+
+def _first_non_finite(value: Any, path: str) -> str | None:
+    """JSON path of the first NaN/Infinity: Python's json accepts them, the schema's ``minimum`` does not catch them."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, dict):
+        items: Any = ((f"{path}.{k}", v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for sub_path, sub in items:
+        found = _first_non_finite(sub, sub_path)
+        if found:
+            return found
+    return None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_profile(source: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
+    """Load and validate a profile from a path (or validate an already-parsed dict)."""
+    if isinstance(source, dict):
+        return validate_profile(source)
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"profile file {path} does not exist; check the path or export one first") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read profile {path}: {_short(str(exc))}; pass a UTF-8 JSON file") from None
+    try:
+        profile = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"{path.name}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}; "
+            "fix the file or re-export the profile"
+        ) from None
+    except ValueError as exc:
+        raise UserError(f"{path.name}: {exc}; use finite numbers") from None
+    if not isinstance(profile, dict):
+        raise UserError(f"{path.name}: a profile must be a JSON object, got {type(profile).__name__}")
+    return validate_profile(profile, origin=path.name)
+
+
+def write_profile(path: str | os.PathLike[str], profile: dict[str, Any]) -> None:
+    """Validate, then write atomically so an interrupted export never leaves a half profile behind."""
+    validate_profile(profile, origin=Path(path).name)
+    atomic_write_text(path, json.dumps(profile, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+# A password runs from the ':' after the user name to the LAST '@': greedy on purpose, so an unescaped '@', '/'
+# or '#' inside a password is hidden too (sqlalchemy and urllib each split such URLs in a way that leaks part of
+# the secret). The price is over-redaction of exotic URLs that have a port and an '@' later on.
+_USERINFO_PASSWORD = re.compile(
+    r"^(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/?#@]*):(?P<password>.*)@(?P<tail>[^@]*)$"
+)
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """Storage URL with its password replaced by ``***``, safe to print or store in a profile.
+
+    ``postgresql://user:secret@host/db`` -> ``postgresql://user:***@host/db``; URLs without a password (sqlite
+    paths, plain file names) come back unchanged.
+    """
+    redacted = _USERINFO_PASSWORD.sub(r"\g<head>:***@\g<tail>", url)
+    return _QUERY_PASSWORD.sub(r"\1***", redacted)
+
+
+def package_versions() -> dict[str, str]:
+    """Versions recorded in provenance, so a profile says which code produced it."""
+    versions = {}
+    for key, dist in (
+        ("torch", "torch"),
+        ("transformers", "transformers"),
+        ("optuna", "optuna"),
+        ("viasd_tune", "viasd-tune"),
+    ):
+        try:
+            versions[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[key] = "unknown"
+    if versions["viasd_tune"] == "unknown":  # running from a checkout without `pip install -e .`
+        from viasd_tune import __version__
+
+        versions["viasd_tune"] = __version__
+    return versions
+
+
+def calibration_fingerprint(ids_and_texts: list[tuple[str, str]]) -> str:
+    """sha256 hex of the calibration prompts (ids and texts, in order).
+
+    JSON-encoding the pairs makes the digest unambiguous (no separator collisions between ids and texts), so two
+    profiles with the same fingerprint were tuned on exactly the same prompts.
+    """
+    payload = json.dumps(
+        [[str(i), str(t)] for i, t in ids_and_texts], ensure_ascii=False, separators=(",", ":")
+    )
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()

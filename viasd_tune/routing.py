@@ -1,0 +1,174 @@
+"""Intra-model routing: run the target with a subset of its attention / MLP sub-layers skipped.
+
+The slim verifier (and the self-draft) is the *same* module as the full target: weights are shared, never
+copied. Each decoder layer's ``self_attn`` and ``mlp`` get a thin wrapper, installed once, that reads the skip
+set active on the model (set by :func:`skipping`). A skipped sub-layer returns zeros, so the residual stream
+passes through unchanged (``h + 0``); for Gemma-3 the post-norm of zeros is zero too. A skipped attention never
+touches the KV cache, which is why each tier keeps its own :class:`SkipAwareCache`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .errors import UserError
+
+# model_type values whose decoder layers we know to be ``h + attn(norm(h))`` then ``h + mlp(norm(h))``
+# (Gemma-3 adds post-norms, which map zeros to zeros).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text", "gemma3")
+
+
+@dataclass(frozen=True)
+class SkipSet:
+    """Which decoder layers' attention and MLP sub-layers to skip (0-based layer indices)."""
+
+    attn: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, attn: Iterable[int] = (), mlp: Iterable[int] = ()) -> SkipSet:
+        return cls(frozenset(int(i) for i in attn), frozenset(int(i) for i in mlp))
+
+    @classmethod
+    def parse(cls, attn: str | None, mlp: str | None) -> SkipSet:
+        """Parse CLI lists such as ``"3,5,7"`` or ranges ``"3-7"``."""
+        return cls.of(_parse_indices(attn, "--skip-attn"), _parse_indices(mlp, "--skip-mlp"))
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.attn and not self.mlp
+
+    def validate(self, num_layers: int) -> SkipSet:
+        """Refuse indices outside the model and a skip set that removes every sub-layer."""
+        for kind, idx in (("attention", self.attn), ("MLP", self.mlp)):
+            bad = sorted(i for i in idx if not 0 <= i < num_layers)
+            if bad:
+                raise UserError(
+                    f"{kind} skip index {bad[0]} is out of range: the model has {num_layers} layers (0..{num_layers - 1})"
+                )
+        if len(self.attn) == num_layers and len(self.mlp) == num_layers:
+            raise UserError(
+                "the skip set removes every sub-layer; keep at least one attention or MLP sub-layer"
+            )
+        return self
+
+    def fraction(self, num_layers: int) -> float:
+        """Share of the model's 2·L sub-layers that are skipped."""
+        return (len(self.attn) + len(self.mlp)) / (2 * num_layers)
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {"skip_attn": sorted(self.attn), "skip_mlp": sorted(self.mlp)}
+
+
+def _parse_indices(text: str | None, flag: str) -> list[int]:
+    if not text:
+        return []
+    out: list[int] = []
+    try:
+        for part in text.replace(" ", "").split(","):
+            if not part:
+                continue
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            else:
+                out.append(int(part))
+    except ValueError:
+        raise UserError(f"{flag} {text!r} is not a list of layer indices; write e.g. 3,5,7 or 3-7") from None
+    return out
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of a supported causal LM, or a clear error for other architectures."""
+    model_type = getattr(model.config, "model_type", "?")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or layers is None:
+        raise UserError(
+            f"layer skipping does not support model type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return layers
+
+
+def num_layers(model: nn.Module) -> int:
+    return len(decoder_layers(model))
+
+
+def _skippable(module: nn.Module, kind: str, layer_idx: int, model: nn.Module) -> None:
+    """Wrap ``module.forward`` so it returns zeros while the model's active skip set names it."""
+    inner = module.forward
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs):
+        skip: SkipSet | None = model._viasd_active_skip
+        if skip is not None and layer_idx in getattr(skip, kind):
+            zeros = torch.zeros_like(hidden_states)
+            return (zeros, None) if kind == "attn" else zeros
+        return inner(hidden_states, *args, **kwargs)
+
+    module.forward = forward
+
+
+def install_skipping(model: nn.Module) -> None:
+    """Make every attention and MLP sub-layer skippable (idempotent; weights untouched)."""
+    if getattr(model, "_viasd_skippable", False):
+        return
+    for i, layer in enumerate(decoder_layers(model)):
+        _skippable(layer.self_attn, "attn", i, model)
+        _skippable(layer.mlp, "mlp", i, model)
+    model._viasd_active_skip = None
+    model._viasd_skippable = True
+
+
+@contextlib.contextmanager
+def skipping(model: nn.Module, skip: SkipSet | None) -> Iterator[None]:
+    """Run the model with ``skip`` active inside the block (``None`` or empty: the full model)."""
+    if (skip is None or skip.is_empty) and not getattr(model, "_viasd_skippable", False):
+        yield  # never patched: nothing to switch off
+        return
+    install_skipping(model)
+    previous = model._viasd_active_skip
+    model._viasd_active_skip = None if skip is None or skip.is_empty else skip
+    try:
+        yield
+    finally:
+        model._viasd_active_skip = previous
+
+
+class SkipAwareCache(DynamicCache):
+    """A DynamicCache whose length and mask sizes come from layers that actually run.
+
+    transformers sizes masks from one reference layer (layer 0, or the first full-attention layer). When that
+    layer's attention is skipped its cache stays empty and every mask would be wrong, so lookups are redirected
+    to the first running attention layer of the same kind (full or sliding).
+    """
+
+    def __init__(self, config, skip: SkipSet | None = None):
+        super().__init__(config=config)
+        attn_skipped = skip.attn if skip is not None else frozenset()
+        self._ref = list(range(len(self.layers)))
+        for kind in (True, False):
+            same = [i for i, lay in enumerate(self.layers) if lay.is_sliding == kind]
+            running = [i for i in same if i not in attn_skipped]
+            for i in same:
+                self._ref[i] = running[0] if running else i
+        # Sliding-window layers must keep the past until we crop, or a rejected draft could not be rolled back.
+        self.activate_past_recording()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(self._ref[layer_idx] if layer_idx < len(self._ref) else layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return super().get_mask_sizes(
+            query_length, self._ref[layer_idx] if layer_idx < len(self._ref) else layer_idx
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # Layers whose attention is skipped were never initialised; transformers' sliding layer cannot crop those.
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.crop(tokens_to_remove)

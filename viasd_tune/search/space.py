@@ -1,0 +1,408 @@
+"""Search spaces: what the tuner may vary (a validated YAML file) and how an Optuna trial decodes into a
+TrialConfig. Param names are stable and readable so studies can be resumed, compared and plotted.
+
+τ_escalate = 0 (plain speculative decoding: every token goes to the full target) is outside the log range of
+``tau_escalate`` and Optuna 5 refuses 0 for a log distribution even as an enqueued value. So it is an explicit
+boolean param, ``escalate_all``: when True the trial is plain SD and the params that only matter for VIA-SD
+(``kl``, thresholds, skip set) are not suggested, so samplers never see values that had no effect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import optuna
+import yaml
+
+from ..errors import UserError
+
+SUBLAYERS = ("attn", "mlp")
+KL_KINDS = ("forward", "reverse", "js")
+DRAFTERS = ("model", "self", "lookup")
+ENCODINGS = ("budget", "per_sublayer")
+SHIPPED = ("default", "smoke")
+# Bump when the params -> TrialConfig mapping changes, so a study made with the old mapping is refused.
+DECODING_VERSION = 1
+
+
+def _range_schema(maximum: float | None = None) -> dict[str, Any]:
+    bound: dict[str, Any] = {"type": "number", "minimum": 0}
+    if maximum is not None:
+        bound["maximum"] = maximum
+    return {
+        "type": "object",
+        "required": ["low", "high"],
+        "additionalProperties": False,
+        "properties": {"low": bound, "high": bound, "log": {"type": "boolean"}},
+    }
+
+
+def _names_schema(choices: tuple[str, ...]) -> dict[str, Any]:
+    return {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"enum": list(choices)}}
+
+
+_FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
+
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["version", "skip", "tau_escalate", "tau_accept_ratio", "kl", "gamma", "drafter"],
+    "properties": {
+        "version": {"const": 1},
+        "skip": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["encoding", "sublayers", "protect_first", "protect_last"],
+            "properties": {
+                "encoding": {"enum": list(ENCODINGS)},
+                "sublayers": _names_schema(SUBLAYERS),
+                "protect_first": {"type": "integer", "minimum": 0},
+                "protect_last": {"type": "integer", "minimum": 0},
+                "budget": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["min", "max"],
+                    "properties": {"min": _FRACTION, "max": _FRACTION},
+                },
+            },
+            "if": {"required": ["encoding"], "properties": {"encoding": {"const": "budget"}}},
+            "then": {"required": ["budget"]},
+        },
+        "tau_escalate": _range_schema(),
+        "tau_accept_ratio": _range_schema(maximum=1),
+        "kl": _names_schema(KL_KINDS),
+        "gamma": {
+            "type": "array",
+            "minItems": 1,
+            "uniqueItems": True,
+            "items": {"type": "integer", "minimum": 1},
+        },
+        "drafter": _names_schema(DRAFTERS),
+        "self_draft": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["skip_fraction"],
+            "properties": {"skip_fraction": _range_schema(maximum=1)},
+        },
+    },
+    "if": {
+        "required": ["drafter"],
+        "properties": {"drafter": {"type": "array", "contains": {"const": "self"}}},
+    },
+    "then": {"required": ["self_draft"]},
+}
+
+_WHY_REQUIRED = {
+    "budget": " (needed by skip.encoding: budget)",
+    "self_draft": " (needed because drafter lists 'self')",
+}
+
+
+@dataclass(frozen=True)
+class FloatRange:
+    """A float interval to search; ``log`` samples it on a log scale (needs ``low > 0``)."""
+
+    low: float
+    high: float
+    log: bool = False
+
+    def mid(self) -> float:
+        """The centre a sampler sees: geometric on a log scale, arithmetic otherwise."""
+        return math.sqrt(self.low * self.high) if self.log else (self.low + self.high) / 2
+
+    def suggest(self, trial: optuna.trial.BaseTrial, name: str) -> float:
+        return trial.suggest_float(name, self.low, self.high, log=self.log)
+
+
+@dataclass(frozen=True)
+class SkipSpec:
+    """Which sub-layers the slim verifier may skip and how a trial encodes the choice."""
+
+    encoding: str  # budget | per_sublayer
+    sublayers: tuple[str, ...]  # in SUBLAYERS order
+    protect_first: int
+    protect_last: int
+    budget: FloatRange | None  # skip fraction range; only used by the budget encoding
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """A validated search space; ``source`` names the file so errors and reports can point at it."""
+
+    version: int
+    skip: SkipSpec
+    tau_escalate: FloatRange
+    tau_accept_ratio: FloatRange
+    kl: tuple[str, ...]
+    gamma: tuple[int, ...]
+    drafter: tuple[str, ...]
+    self_draft_skip_fraction: FloatRange | None
+    source: str
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """One decoded trial: everything the VIA-SD decoder needs. ``tau_escalate == 0`` means plain SD."""
+
+    skip_attn: tuple[int, ...]  # sorted layer indices whose attention the slim verifier skips
+    skip_mlp: tuple[int, ...]
+    tau_accept: float
+    tau_escalate: float
+    kl: str
+    gamma: int
+    drafter: str  # model | self | lookup
+    draft_skip_attn: tuple[int, ...] = ()  # self-draft skip set (drafter == self)
+    draft_skip_mlp: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (lists instead of tuples), for user attrs, reports and profiles."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_space(name_or_path: str) -> SearchSpace:
+    """Load a shipped space ("default", "smoke") or a YAML file; validated here so that a bad edit
+    fails at once, not hours into a study."""
+    path_like = any(c in name_or_path for c in "/\\") or name_or_path.endswith((".yaml", ".yml"))
+    if not path_like:
+        if name_or_path not in SHIPPED:
+            raise UserError(
+                f"search space {name_or_path}: not a shipped space ({', '.join(SHIPPED)}) nor a .yaml path; "
+                "pick one of those or pass the path of a YAML file"
+            )
+        resource = files("viasd_tune") / "spaces" / f"{name_or_path}.yaml"
+        source, text = str(resource), resource.read_text(encoding="utf-8")
+    else:
+        source = name_or_path
+        try:
+            text = Path(name_or_path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UserError(
+                f"search space {source}: file not found; pass an existing YAML file or one of: "
+                f"{', '.join(SHIPPED)}"
+            ) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(
+                f"search space {source}: cannot read it ({e}); pass a readable UTF-8 YAML file"
+            ) from None
+    return _parse(text, source)
+
+
+def _parse(text: str, source: str) -> SearchSpace:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise UserError(
+            f"search space {source}: invalid YAML{where}: {_one_line(problem)}; fix the syntax"
+        ) from None
+    if data is None:
+        raise UserError(f"search space {source}: $: the file is empty; start from the shipped default.yaml")
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(SCHEMA).iter_errors(data))
+    if error is not None:
+        raise UserError(f"search space {source}: {error.json_path}: {_explain(error)}")
+
+    def frange(d: dict[str, Any], path: str) -> FloatRange:
+        r = FloatRange(float(d["low"]), float(d["high"]), bool(d.get("log", False)))
+        if r.low > r.high:
+            raise UserError(f"search space {source}: {path}: low {r.low} > high {r.high}; swap or fix them")
+        if r.log and r.low <= 0:
+            raise UserError(
+                f"search space {source}: {path}.low: must be > 0 when log is true; raise it or drop log"
+            )
+        return r
+
+    skip = data["skip"]
+    budget = None
+    if "budget" in skip:
+        budget = FloatRange(float(skip["budget"]["min"]), float(skip["budget"]["max"]))
+        if budget.low > budget.high:
+            raise UserError(
+                f"search space {source}: $.skip.budget: min {budget.low} > max {budget.high}; "
+                "swap or fix them"
+            )
+    self_draft = data.get("self_draft")
+    return SearchSpace(
+        version=data["version"],
+        skip=SkipSpec(
+            encoding=skip["encoding"],
+            sublayers=tuple(k for k in SUBLAYERS if k in skip["sublayers"]),
+            protect_first=skip["protect_first"],
+            protect_last=skip["protect_last"],
+            budget=budget,
+        ),
+        tau_escalate=frange(data["tau_escalate"], "$.tau_escalate"),
+        tau_accept_ratio=frange(data["tau_accept_ratio"], "$.tau_accept_ratio"),
+        kl=tuple(data["kl"]),
+        gamma=tuple(int(g) for g in data["gamma"]),
+        drafter=tuple(data["drafter"]),
+        self_draft_skip_fraction=(
+            frange(self_draft["skip_fraction"], "$.self_draft.skip_fraction") if self_draft else None
+        ),
+        source=source,
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _explain(error: jsonschema.ValidationError) -> str:
+    """A schema error as one line that also says how to fix it."""
+    if error.validator == "additionalProperties":
+        allowed = list(error.schema.get("properties", {}))
+        unknown = sorted(set(error.instance) - set(allowed))
+        keys = f"key {unknown[0]!r}" if len(unknown) == 1 else f"keys {', '.join(map(repr, unknown))}"
+        return f"unknown {keys}; remove or rename it (allowed: {', '.join(allowed)})"
+    if error.validator == "required":
+        missing = next(k for k in error.validator_value if k not in error.instance)
+        return (
+            f"missing key '{missing}'{_WHY_REQUIRED.get(missing, '')}; add it (see the shipped default.yaml)"
+        )
+    return f"{_one_line(error.message)}; see the comments in the shipped default.yaml"
+
+
+# ---------------------------------------------------------------- decoding trials
+
+
+def evenly_spaced_skip(num_layers: int, count: int, protect_first: int, protect_last: int) -> list[int]:
+    """``count`` layers spread evenly over the unprotected ones: a self-draft that keeps every depth region
+    partly intact drafts better than one that drops a contiguous block. ``count`` is clamped to what
+    exists."""
+    layers = range(protect_first, num_layers - protect_last)
+    count = max(0, min(count, len(layers)))
+    return [layers[(2 * j + 1) * len(layers) // (2 * count)] for j in range(count)]
+
+
+def _eligible_layers(space: SearchSpace, num_layers: int) -> range:
+    layers = range(space.skip.protect_first, num_layers - space.skip.protect_last)
+    if not layers:
+        raise UserError(
+            f"search space {space.source}: $.skip: protect_first {space.skip.protect_first} + protect_last "
+            f"{space.skip.protect_last} leave no skippable layer in this {num_layers}-layer model; lower them"
+        )
+    return layers
+
+
+def _available(space: SearchSpace, drafters: list[str]) -> list[str]:
+    choices = [d for d in space.drafter if d in drafters]
+    if not choices:
+        raise UserError(
+            f"search space {space.source}: $.drafter: none of {list(space.drafter)} is available in this run "
+            f"(available: {list(drafters)}); add one of those to drafter or provide what the others need"
+        )
+    return choices
+
+
+def _slots(space: SearchSpace, layers: range) -> list[tuple[int, str]]:
+    return [(layer, kind) for layer in layers for kind in space.skip.sublayers]
+
+
+def _suggest_skip(trial: optuna.trial.BaseTrial, space: SearchSpace, layers: range) -> list[tuple[int, str]]:
+    """The (layer, kind) sub-layers the slim verifier skips."""
+    slots = _slots(space, layers)
+    if space.skip.encoding == "per_sublayer":
+        return [(i, k) for i, k in slots if trial.suggest_categorical(f"skip_{k}_{i}", [False, True])]
+    assert space.skip.budget is not None  # the schema requires it for this encoding
+    frac = space.skip.budget.suggest(trial, "skip_frac")
+    # Scores are suggested even when nothing is skipped, so every trial has the same params (samplers that
+    # model the joint space only use params all trials share).
+    scores = {(i, k): trial.suggest_float(f"score_{k}_{i}", 0.0, 1.0) for i, k in slots}
+    ranked = sorted(slots, key=lambda s: (-scores[s], s[0], SUBLAYERS.index(s[1])))
+    return ranked[: round(frac * len(slots))]
+
+
+def suggest(
+    trial: optuna.trial.BaseTrial, space: SearchSpace, num_layers: int, drafters: list[str]
+) -> TrialConfig:
+    """Sample one configuration; also stored as user attr "config" so dashboards need not re-decode."""
+    choices = _available(space, drafters)
+    layers = _eligible_layers(space, num_layers)
+    drafter = trial.suggest_categorical("drafter", choices)
+    gamma = trial.suggest_categorical("gamma", list(space.gamma))
+    draft_skip: tuple[int, ...] = ()
+    if drafter == "self":
+        assert space.self_draft_skip_fraction is not None  # the schema requires it when drafter lists self
+        frac = space.self_draft_skip_fraction.suggest(trial, "self_skip_frac")
+        draft_skip = tuple(
+            evenly_spaced_skip(
+                num_layers, round(frac * len(layers)), space.skip.protect_first, space.skip.protect_last
+            )
+        )
+    if trial.suggest_categorical("escalate_all", [False, True]):
+        # Plain SD: no slim verifier, so kl is unused (kept as the first listed for a well-formed config).
+        cfg = TrialConfig((), (), 0.0, 0.0, space.kl[0], gamma, drafter, draft_skip, draft_skip)
+    else:
+        kl = trial.suggest_categorical("kl", list(space.kl))
+        tau_escalate = space.tau_escalate.suggest(trial, "tau_escalate")
+        ratio = space.tau_accept_ratio.suggest(trial, "tau_accept_ratio")
+        skipped = _suggest_skip(trial, space, layers)
+        cfg = TrialConfig(
+            skip_attn=tuple(sorted(i for i, k in skipped if k == "attn")),
+            skip_mlp=tuple(sorted(i for i, k in skipped if k == "mlp")),
+            tau_accept=ratio * tau_escalate,
+            tau_escalate=tau_escalate,
+            kl=kl,
+            gamma=gamma,
+            drafter=drafter,
+            draft_skip_attn=draft_skip,
+            draft_skip_mlp=draft_skip,
+        )
+    trial.set_user_attr("config", cfg.to_dict())
+    return cfg
+
+
+def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> list[dict[str, Any]]:
+    """Params of the two reference trials: VIA-SD with the least skipping the space allows (0 in the shipped
+    spaces) and mid thresholds, then plain SD. Runs the baselines early so every study can be compared."""
+    layers = _eligible_layers(space, num_layers)
+    base: dict[str, Any] = {
+        "drafter": _available(space, drafters)[0],
+        "gamma": min((g for g in space.gamma if g >= 4), default=max(space.gamma)),
+    }
+    if base["drafter"] == "self":
+        assert space.self_draft_skip_fraction is not None
+        base["self_skip_frac"] = space.self_draft_skip_fraction.mid()
+    if space.skip.encoding == "per_sublayer":
+        skip: dict[str, Any] = {f"skip_{k}_{i}": False for i, k in _slots(space, layers)}
+    else:
+        assert space.skip.budget is not None
+        skip = {"skip_frac": space.skip.budget.low}
+    no_skip = {
+        **base,
+        "escalate_all": False,
+        "kl": space.kl[0],
+        "tau_escalate": space.tau_escalate.mid(),
+        "tau_accept_ratio": space.tau_accept_ratio.mid(),
+        **skip,
+    }
+    return [no_skip, {**base, "escalate_all": True}]
+
+
+def enqueue_known_points(
+    study: optuna.Study, space: SearchSpace, num_layers: int, drafters: list[str]
+) -> None:
+    """Enqueue the no-skip and plain-SD reference trials; a resumed study does not get them twice."""
+    for params in known_points(space, num_layers, drafters):
+        study.enqueue_trial(params, skip_if_exists=True)
+
+
+def space_signature(space: SearchSpace, num_layers: int) -> str:
+    """Stable sha256 of the space content, the layer count and the decoding version (not the file name),
+    so a study can refuse to continue under a different space."""
+    content = asdict(space)
+    del content["source"]
+    payload = {"space": content, "num_layers": num_layers, "decoding_version": DECODING_VERSION}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
