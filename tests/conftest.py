@@ -61,3 +61,33 @@ def noisy_copy(model, scale: float = 0.1, seed: int = 0):
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
     return draft.eval()
+
+
+def char_tokenizer():
+    """A character-level tokenizer whose ids fit the tiny models' vocabulary (0 pad, 1 bos, 2 eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + VOCAB - 4)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Saved tiny target and draft (Llama, same tokenizer) as local model directories."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = tiny_model("llama", seed=0, layers=4)
+    draft = noisy_copy(target, 0.1, seed=1)
+    tok = char_tokenizer()
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths.append(str(root / name))
+    return tuple(paths)

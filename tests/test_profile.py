@@ -252,7 +252,7 @@ def _set(p: dict[str, Any], dotted: str, value: Any) -> None:
         ("draft.fingerprint", {"architecture": "x"}, "$.draft.fingerprint"),  # a model drafter needs a name
         ("target.fingerprint.vocab_sha256", "xyz", "$.target.fingerprint.vocab_sha256"),
         ("target.fingerprint.source.kind", "ftp", "$.target.fingerprint.source.kind"),
-        ("metrics.acceptance", 1.5, "$.metrics.acceptance"),
+        ("metrics.acceptance", -0.5, "$.metrics.acceptance"),
         ("provenance.created_at", "yesterday", "$.provenance.created_at"),
         ("provenance.storage", "postgresql://tuner:hunter2@db/optuna", "$.provenance.storage"),
     ],

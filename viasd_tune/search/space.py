@@ -341,7 +341,7 @@ def suggest(
                 num_layers, round(frac * len(layers)), space.skip.protect_first, space.skip.protect_last
             )
         )
-    if trial.suggest_categorical("escalate_all", [False, True]):
+    if _enqueued_escalate_all(trial):
         # Plain SD: no slim verifier, so kl is unused (kept as the first listed for a well-formed config).
         cfg = TrialConfig((), (), 0.0, 0.0, space.kl[0], gamma, drafter, draft_skip, draft_skip)
     else:
@@ -362,6 +362,17 @@ def suggest(
         )
     trial.set_user_attr("config", cfg.to_dict())
     return cfg
+
+
+def _enqueued_escalate_all(trial: optuna.trial.BaseTrial) -> bool:
+    """Plain SD (τ_escalate = 0) is a reference point we enqueue, not a region to sample: a free boolean would
+    spend about half of every random/TPE warm-up on it. So the parameter exists only in enqueued trials."""
+    fixed: dict[str, Any] = {}
+    if isinstance(trial, optuna.trial.FixedTrial):
+        fixed = trial.params
+    elif isinstance(trial, optuna.trial.Trial):
+        fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params", {})
+    return "escalate_all" in fixed and trial.suggest_categorical("escalate_all", [False, True])
 
 
 def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> list[dict[str, Any]]:

@@ -1,0 +1,180 @@
+"""``viasd-tune`` command line: search, generate, bench, export, dashboard.
+
+Bad input raises :class:`UserError` anywhere below; here it becomes one line on stderr and exit code 2
+(``--debug`` shows the traceback instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    p.add_argument(
+        "--model", help=f"target: packaged name, local dir, .gguf file or hub id (default {DEFAULT_MODEL})"
+    )
+    if draft:
+        p.add_argument(
+            "--draft", help="draft model (same tokenizer as the target); packaged name, dir, .gguf, hub id"
+        )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)"
+    )
+
+
+def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mode", choices=["ar", "sd", "viasd"], default=None, help="decoding mode (default viasd)"
+    )
+    p.add_argument(
+        "--drafter",
+        choices=["model", "self", "lookup"],
+        default=None,
+        help="draft source (default: model with --draft, self with --draft-skip-*, else lookup)",
+    )
+    p.add_argument("--gamma", type=int, default=5, help="draft tokens per round")
+    p.add_argument(
+        "--skip-attn", default="", help="slim verifier: attention sub-layers to skip, e.g. 3,5,7 or 3-7"
+    )
+    p.add_argument("--skip-mlp", default="", help="slim verifier: MLP sub-layers to skip")
+    p.add_argument(
+        "--draft-skip-attn",
+        "--draft-skip",
+        dest="draft_skip_attn",
+        default="",
+        help="self-draft: attention sub-layers to skip",
+    )
+    p.add_argument("--draft-skip-mlp", default="", help="self-draft: MLP sub-layers to skip")
+    p.add_argument(
+        "--tau-accept", type=float, default=0.0, help="D below this: accept the draft token directly"
+    )
+    p.add_argument(
+        "--tau-escalate", type=float, default=0.0, help="D at or above this: the full target verifies"
+    )
+    p.add_argument("--kl", choices=["forward", "reverse", "js"], default="forward")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="viasd-tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode one prompt with ar, sd or viasd (or a tuned --profile)")
+    _add_model_args(g)
+    _add_decode_args(g)
+    g.add_argument(
+        "--profile", help="routing profile JSON from `viasd-tune search` (sets models and routing)"
+    )
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    g.set_defaults(func=cmd_generate)
+
+    from .search.cli import add_search_commands
+
+    add_search_commands(sub, _add_model_args)
+    return parser
+
+
+def _decode_config(args):
+    from .decoding.decoder import DecodeConfig
+    from .routing import SkipSet
+
+    drafter = args.drafter or (
+        "model" if args.draft else "self" if (args.draft_skip_attn or args.draft_skip_mlp) else "lookup"
+    )
+    return DecodeConfig(
+        mode=args.mode or "viasd",
+        gamma=args.gamma,
+        drafter=drafter,
+        skip=SkipSet.parse(args.skip_attn, args.skip_mlp),
+        draft_skip=SkipSet.parse(args.draft_skip_attn, args.draft_skip_mlp),
+        tau_accept=args.tau_accept,
+        tau_escalate=args.tau_escalate,
+        kl=args.kl,
+    )
+
+
+def cmd_generate(args) -> int:
+    from . import models
+    from .decoding.decoder import Decoder
+
+    if args.profile:
+        from . import runtime
+
+        decoder = runtime.load(
+            args.profile,
+            model=args.model,
+            draft=args.draft,
+            device=args.device,
+            dtype=None if args.dtype == "auto" else args.dtype,
+            strict=True,
+        )
+    else:
+        config = _decode_config(args)
+        target = models.load(args.model or DEFAULT_MODEL, args.dtype, args.device, args.trust_remote_code)
+        draft = None
+        if args.draft and config.drafter == "model" and config.mode != "ar":
+            draft = models.load(args.draft, args.dtype, args.device, args.trust_remote_code)
+            models.check_same_tokenizer(target, draft)
+        decoder = Decoder(target.model, target.tokenizer, config, draft=draft.model if draft else None)
+    result = decoder.generate(
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat="on" if args.chat else "off",
+    )
+    stats = result.stats.to_dict()
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": stats}))
+    else:
+        print(result.text)
+        print(
+            f"\n[{stats['new_tokens']} tokens in {stats['wall_time_s']:.2f}s, {stats['tokens_per_s']:.1f} tok/s; "
+            f"direct/slim/full {stats['tokens_direct']}/{stats['tokens_slim']}/{stats['tokens_full']}, "
+            f"{stats['full_calls']} full calls]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING, format="%(message)s")
+    if not args.debug:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()  # weight-loading bars; our own long steps keep theirs
+    try:
+        return args.func(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"viasd-tune: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("viasd-tune: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

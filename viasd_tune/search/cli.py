@@ -1,0 +1,151 @@
+"""Sub-commands around the search: ``search``, ``export``, ``dashboard``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def add_search_commands(sub, add_model_args) -> None:
+    s = sub.add_parser("search", help="tune the routing with Optuna and export a profile")
+    add_model_args(s)
+    s.add_argument(
+        "--data", default="builtin", help="builtin, humaneval, or a .jsonl/.json/.csv/.parquet file"
+    )
+    s.add_argument("--data-field", help="column holding the prompt text")
+    s.add_argument("--categories", help="comma-separated categories to keep")
+    s.add_argument("--prompts", type=int, default=12, help="prompts to sample (stratified by category)")
+    s.add_argument(
+        "--held-out", type=float, default=0.25, help="share of prompts kept out for the final report"
+    )
+    s.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
+    s.add_argument("--trials", type=int, default=20)
+    s.add_argument("--out", default=None, help="output folder (default artifacts/<study name>)")
+    s.add_argument("--storage", help="Optuna storage URL (default sqlite in the out folder)")
+    s.add_argument("--study-name", help="study name (default: the out folder's name)")
+    s.add_argument("--space", default="default", help="search space: default, smoke, or a YAML file")
+    s.add_argument("--min-fidelity", type=float, default=0.95)
+    s.add_argument("--max-new-tokens", type=int, default=48)
+    s.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    s.add_argument("--n-jobs", type=int, default=1, help="worker processes on this machine sharing the study")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # run trials only, no export
+    s.set_defaults(func=cmd_search)
+
+    e = sub.add_parser("export", help="re-export a profile from a study")
+    e.add_argument("--storage", required=True)
+    e.add_argument("--study-name", required=True)
+    e.add_argument("--pick", default="knee", help="knee, fastest, most-faithful or trial:N")
+    e.add_argument("--out", required=True, help="profile JSON path")
+    e.set_defaults(func=cmd_export)
+
+    d = sub.add_parser("dashboard", help="write the Plotly Pareto dashboard of a study")
+    d.add_argument("--out-dir", help="a search output folder (reads its study.db)")
+    d.add_argument("--storage")
+    d.add_argument("--study-name")
+    d.add_argument("--out", help="HTML file (default <out-dir>/dashboard.html)")
+    d.set_defaults(func=cmd_dashboard)
+
+
+def cmd_search(args) -> int:
+    from ..cli import DEFAULT_MODEL
+    from .run import SearchSettings, run_search
+
+    name = args.study_name or (Path(args.out).name if args.out else "default")
+    settings = SearchSettings(
+        model=args.model or DEFAULT_MODEL,
+        draft=args.draft,
+        data=args.data,
+        data_field=args.data_field,
+        categories=args.categories.split(",") if args.categories else None,
+        prompts=args.prompts,
+        held_out=args.held_out,
+        chat=args.chat,
+        trials=args.trials,
+        out=args.out or f"artifacts/{name}",
+        storage=args.storage,
+        study_name=args.study_name,
+        space=args.space,
+        min_fidelity=args.min_fidelity,
+        max_new_tokens=args.max_new_tokens,
+        timeout=args.timeout,
+        seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        progress=not args.no_progress,
+        worker=args.worker,
+    )
+    if args.trials < 1:
+        raise UserError("--trials must be at least 1")
+    if args.n_jobs > 1:
+        from .workers import run_workers
+
+        summary = run_workers(settings, args.n_jobs)
+    else:
+        summary = run_search(settings)
+    if summary:
+        print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    m, c = summary["metrics"], summary["config"]
+    vs_sd = f"{m['speedup_vs_sd']:.2f}x" if m.get("speedup_vs_sd") else "n/a"
+    print(
+        f"profile: {summary['profile']}  (trial {summary['trial']}, {summary['pareto']} on the feasible Pareto front)\n"
+        f"  routing: skip attn {c['skip_attn']} mlp {c['skip_mlp']}; tau_accept {c['tau_accept']:.3g}, "
+        f"tau_escalate {c['tau_escalate']:.3g}, kl {c['kl']}, gamma {c['gamma']}, drafter {c['drafter']}\n"
+        f"  {m.get('evaluated_on')} ({m.get('held_out_prompts', 0)} prompts): speedup vs AR "
+        f"{m['speedup_measured']:.2f}x (modelled {m.get('speedup_modelled') or 0:.2f}x), vs SD {vs_sd}, "
+        f"acceptance {m['acceptance']:.2f} tok/full call, fidelity {m['fidelity']:.3f}\n"
+        f"  tier shares: "
+        + ", ".join(f"{k} {v:.0%}" for k, v in m["tier_shares"].items())
+        + (f"\n  dashboard: {summary['dashboard']}" if summary.get("dashboard") else "")
+    )
+
+
+def _load_study(storage: str, name: str):
+    import optuna
+
+    from .run import make_storage
+
+    try:
+        return optuna.load_study(study_name=name, storage=make_storage(storage))
+    except KeyError:
+        names = [s.study_name for s in optuna.get_all_study_summaries(make_storage(storage))]
+        raise UserError(
+            f"no study {name!r} in that storage; studies there: {', '.join(names) or 'none'}"
+        ) from None
+
+
+def cmd_export(args) -> int:
+    from ..profile import write_profile
+    from .export import build_profile, pick_trial
+
+    study = _load_study(args.storage, args.study_name)
+    trial = pick_trial(study, args.pick)
+    profile = build_profile(study, trial, study.user_attrs.get(f"held_out:{trial.number}"))
+    write_profile(args.out, profile)
+    print(json.dumps({"profile": args.out, "trial": trial.number, "metrics": profile["metrics"]}, indent=2))
+    return 0
+
+
+def cmd_dashboard(args) -> int:
+    from .. import dashboard
+
+    if args.out_dir:
+        path = dashboard.dashboard_from_out_dir(args.out_dir, args.out)
+    elif args.storage and args.study_name:
+        path = dashboard.dashboard_from_storage(args.storage, args.study_name, args.out or "dashboard.html")
+    else:
+        raise UserError("give --out-dir, or --storage and --study-name")
+    print(path)
+    return 0
+
+
+__all__ = ["add_search_commands", "argparse"]

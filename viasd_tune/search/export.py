@@ -1,0 +1,163 @@
+"""From a finished study to profiles: the feasible Pareto front, its knee, and profile JSON built from the
+study's own records (so ``viasd-tune export`` needs no models)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import optuna
+
+from ..errors import UserError
+from ..profile import SCHEMA_VERSION, package_versions, write_profile
+from ..routing import SkipSet
+
+log = logging.getLogger(__name__)
+PICKS = ("knee", "fastest", "most-faithful")
+
+
+def feasible_measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Complete trials confirmed by real decoding that meet the fidelity constraint."""
+    return [
+        t
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        if t.user_attrs.get("measured") and t.user_attrs.get("feasible")
+    ]
+
+
+def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """Trials no other trial beats on both objectives (speedup, acceptance)."""
+
+    def dominated(a, b) -> bool:  # b dominates a
+        return all(y >= x for x, y in zip(a.values, b.values, strict=True)) and b.values != a.values
+
+    return sorted((t for t in trials if not any(dominated(t, o) for o in trials)), key=lambda t: t.values[0])
+
+
+def knee(front: list[optuna.trial.FrozenTrial]) -> optuna.trial.FrozenTrial:
+    """The front point closest to the ideal corner after scaling each objective to [0, 1] over the front."""
+    lo = [min(t.values[i] for t in front) for i in range(2)]
+    hi = [max(t.values[i] for t in front) for i in range(2)]
+
+    def gap(t) -> float:
+        return sum(((hi[i] - t.values[i]) / (hi[i] - lo[i] or 1.0)) ** 2 for i in range(2))
+
+    return min(front, key=gap)
+
+
+def pick_trial(study: optuna.Study, pick: str) -> optuna.trial.FrozenTrial:
+    """``knee``, ``fastest``, ``most-faithful`` (among feasible measured trials) or ``trial:N``."""
+    if pick.startswith("trial:"):
+        try:
+            number = int(pick.split(":", 1)[1])
+            trial = study.trials[number]
+        except (ValueError, IndexError):
+            raise UserError(f"--pick {pick}: no such trial in study {study.study_name!r}") from None
+        if trial.state != optuna.trial.TrialState.COMPLETE:
+            raise UserError(
+                f"--pick {pick}: that trial is {trial.state.name}, not COMPLETE; pick a finished one"
+            )
+        return trial
+    pool = feasible_measured(study)
+    if not pool:
+        raise UserError(
+            f"study {study.study_name!r} has no measured trial meeting min fidelity "
+            f"{study.user_attrs.get('min_fidelity')}; run more trials, lower --min-fidelity, or --pick trial:N"
+        )
+    if pick == "knee":
+        return knee(pareto_front(pool))
+    if pick == "fastest":
+        return max(pool, key=lambda t: t.values[0])
+    if pick == "most-faithful":
+        return max(pool, key=lambda t: (t.user_attrs["fidelity"], t.values[0]))
+    raise UserError(f"unknown --pick {pick!r}; use knee, fastest, most-faithful or trial:N")
+
+
+def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out: dict | None = None) -> dict:
+    """A routing profile for ``trial``; metrics from the held-out evaluation when given, else calibration."""
+    a = study.user_attrs
+    cfg = trial.user_attrs["config"]
+    drafter = cfg["drafter"]
+    draft: dict = {"kind": drafter, "name": None, "fingerprint": None}
+    if drafter == "model":
+        draft.update(name=a["draft"], fingerprint=a["draft_fingerprint"])
+    elif drafter == "self":
+        draft.update(skip_attn=sorted(cfg["draft_skip_attn"]), skip_mlp=sorted(cfg["draft_skip_mlp"]))
+    shares = trial.user_attrs.get("tier_shares", {"direct": 0.0, "slim": 0.0, "full": 1.0})
+    metrics = held_out or {
+        "speedup_measured": trial.values[0],
+        "speedup_vs_sd": None,
+        "acceptance": trial.values[1],
+        "fidelity": trial.user_attrs["fidelity"],
+        "tier_shares": shares,
+        "held_out_prompts": 0,
+    }
+    metrics = {
+        **metrics,
+        "speedup_modelled": trial.user_attrs.get("speedup_modelled"),
+        "evaluated_on": "held_out" if held_out else "calibration",
+    }
+    metrics["acceptance_definition"] = "tokens emitted per full-target forward"
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "target": {"name": a["target"], "fingerprint": a["target_fingerprint"]},
+        "draft": draft,
+        "routing": SkipSet.of(cfg["skip_attn"], cfg["skip_mlp"]).to_dict(),
+        "thresholds": {"tau_accept": cfg["tau_accept"], "tau_escalate": cfg["tau_escalate"], "kl": cfg["kl"]},
+        "gamma": cfg["gamma"],
+        "drafter": drafter,
+        "dtype": a["dtype"],
+        "device": a["device"],
+        "metrics": metrics,
+        "calibration": {k: a["calibration"][k] for k in ("source", "prompt_ids", "fingerprint")},
+        "provenance": {
+            "study": study.study_name,
+            "trial": trial.number,
+            "storage": a.get("storage", ""),
+            "versions": package_versions(),
+            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+
+
+def export_study(
+    study: optuna.Study, out: Path, pick: str = "knee", evaluate: Callable[[object], dict] | None = None
+) -> dict:
+    """Write ``out/profile.json`` (the pick, held-out metrics when ``evaluate`` is given), every feasible Pareto
+    trial under ``out/pareto/``, the dashboard, and return a summary."""
+    from .run import trial_decode_config
+    from .space import TrialConfig
+
+    chosen = pick_trial(study, pick)
+    # Finished trials are read-only in Optuna, so held-out metrics live in the study's attrs.
+    held = study.user_attrs.get(f"held_out:{chosen.number}")
+    if evaluate is not None and held is None:
+        cfg = TrialConfig(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in chosen.user_attrs["config"].items()}
+        )
+        held = evaluate(trial_decode_config(cfg))
+        study.set_user_attr(f"held_out:{chosen.number}", held)
+    profile = build_profile(study, chosen, held)
+    out.mkdir(parents=True, exist_ok=True)
+    write_profile(out / "profile.json", profile)
+    front = pareto_front(feasible_measured(study))
+    for t in front:
+        write_profile(out / "pareto" / f"trial-{t.number:04d}.json", build_profile(study, t))
+    study.set_user_attr("exported_trial", chosen.number)
+    dashboard = None
+    try:
+        from ..dashboard import build_dashboard
+
+        dashboard = build_dashboard(study, out / "dashboard.html", exported_trial=chosen.number)
+    except ImportError:
+        log.warning("dashboard module unavailable; skipped dashboard.html")
+    return {
+        "profile": str(out / "profile.json"),
+        "trial": chosen.number,
+        "pareto": len(front),
+        "metrics": profile["metrics"],
+        "config": chosen.user_attrs["config"],
+        "dashboard": str(dashboard) if dashboard else None,
+    }

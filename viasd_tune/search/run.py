@@ -1,0 +1,407 @@
+"""The search: an Optuna study over skip sets, thresholds, KL direction, γ and drafter, scored on calibration
+prompts, then the knee of the feasible Pareto front re-measured on held-out prompts and exported.
+
+Per trial: replay (cheap, see ``replay.py``) estimates fidelity, acceptance and a modelled speedup; a trial
+whose estimated fidelity is clearly below ``--min-fidelity`` keeps those estimates (``measured=False``);
+the others are confirmed by real three-tier decoding, interleaved prompt by prompt with the target's own AR
+decoding, and the measured numbers become the objectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+import torch
+from tqdm.auto import tqdm
+
+from .. import models, prompts
+from ..decoding.decoder import DecodeConfig, Decoder
+from ..errors import UserError
+from ..profile import calibration_fingerprint, redact_url
+from ..routing import SkipSet
+from . import costmodel, replay
+from . import space as spaces
+from .export import export_study
+
+log = logging.getLogger(__name__)
+ESTIMATE_MARGIN = 0.03  # trials estimated this far below min fidelity are not worth decoding for real
+
+
+@dataclass
+class SearchSettings:
+    model: str
+    draft: str | None = None
+    data: str = "builtin"
+    data_field: str | None = None
+    categories: list[str] | None = None
+    prompts: int | None = 12
+    held_out: float = 0.25
+    chat: str = "auto"
+    trials: int = 20
+    out: str = "artifacts/search"
+    storage: str | None = None
+    study_name: str | None = None
+    space: str = "default"
+    min_fidelity: float = 0.95
+    max_new_tokens: int = 48
+    timeout: float | None = None
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    progress: bool = True
+    worker: bool = False  # only run trials; the process that started the workers exports
+
+
+def trial_decode_config(cfg: spaces.TrialConfig) -> DecodeConfig:
+    return DecodeConfig(
+        mode="viasd",
+        gamma=cfg.gamma,
+        drafter=cfg.drafter,
+        skip=SkipSet.of(cfg.skip_attn, cfg.skip_mlp),
+        draft_skip=SkipSet.of(cfg.draft_skip_attn, cfg.draft_skip_mlp),
+        tau_accept=cfg.tau_accept,
+        tau_escalate=cfg.tau_escalate,
+        kl=cfg.kl,
+    )
+
+
+def agreement(out: list[int], ref: list[int]) -> float:
+    """Share of positions where the output equals the target's greedy output (over the longer of the two)."""
+    n = max(len(out), len(ref))
+    return sum(a == b for a, b in zip(out, ref, strict=False)) / n if n else 1.0
+
+
+@dataclass
+class Measurement:
+    speedup: float
+    fidelity: float
+    exact: float
+    acceptance: float
+    tier_shares: dict
+    tier_time_s: dict
+    tokens_per_s: float
+    ar_tokens_per_s: float
+
+
+def measure(
+    target,
+    tokenizer,
+    draft,
+    config: DecodeConfig,
+    refs: list[replay.Reference],
+    max_new_tokens: int,
+    flip: bool,
+    baseline: DecodeConfig | None = None,
+) -> Measurement:
+    """Decode every prompt with ``config`` and with ``baseline`` (AR by default), interleaved; ratio of sums."""
+    dec = Decoder(target, tokenizer, config, draft=draft)
+    base = Decoder(target, tokenizer, baseline or DecodeConfig(mode="ar"), draft=draft)
+    t_cfg = t_base = 0.0
+    tokens = base_tokens = full_calls = 0
+    fid, exact = [], []
+    tiers = dict.fromkeys(("direct", "slim", "full"), 0)
+    times = dict.fromkeys(("draft", "slim", "full"), 0.0)
+    for i, ref in enumerate(refs):
+        order = [base, dec] if (i + flip) % 2 == 0 else [dec, base]  # alternate who goes first
+        for d in order:
+            r = d.generate(ref.prompt_ids, max_new_tokens=max_new_tokens)
+            if d is base:
+                t_base += r.stats.wall_time_s
+                base_tokens += r.stats.new_tokens
+                continue
+            s = r.stats
+            t_cfg += s.wall_time_s
+            tokens += s.new_tokens
+            full_calls += s.full_calls
+            fid.append(agreement(r.token_ids, ref.output))
+            exact.append(float(r.token_ids == ref.output))
+            for k in tiers:
+                tiers[k] += getattr(s, f"tokens_{k}")
+            for k in times:
+                times[k] += getattr(s, f"{k}_time_s")
+    # Speed compares time per token, so an early EOS on one side does not count as speed.
+    speedup = (t_base / max(base_tokens, 1)) / (t_cfg / max(tokens, 1))
+    return Measurement(
+        speedup=speedup,
+        fidelity=statistics.fmean(fid),
+        exact=statistics.fmean(exact),
+        acceptance=tokens / full_calls if full_calls else float(tokens),
+        tier_shares={k: v / max(tokens, 1) for k, v in tiers.items()},
+        tier_time_s=times,
+        tokens_per_s=tokens / t_cfg if t_cfg else 0.0,
+        ar_tokens_per_s=base_tokens / t_base if t_base else 0.0,
+    )
+
+
+def _references(target, tokenizer, items, max_new_tokens: int, progress: bool) -> list[replay.Reference]:
+    """The target's greedy output on every calibration prompt, decoded once."""
+    dec = Decoder(target, tokenizer, DecodeConfig(mode="ar"))
+    refs = []
+    for p, ids in tqdm(items, desc="target outputs", disable=not progress, leave=False):
+        r = dec.generate(ids, max_new_tokens=max_new_tokens)
+        refs.append(replay.Reference(p.id, ids, r.token_ids, r.stats.wall_time_s))
+    return refs
+
+
+def _encode_all(tokenizer, items: list[prompts.Prompt], chat: str, max_new: int, ctx: int, device) -> list:
+    out = []
+    for p in items:
+        ids = prompts.encode_prompt(tokenizer, p.text, chat)
+        prompts.check_fits(len(ids), max_new, ctx, p.id)
+        out.append((p, torch.tensor(ids, dtype=torch.long, device=device)))
+    return out
+
+
+def _context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+
+
+def open_study(storage: str, name: str, seed: int, min_fidelity: float) -> optuna.Study:
+    """Create or resume a two-objective study (speedup, acceptance) with fidelity as a constraint."""
+    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.set_constraint values
+    try:
+        return optuna.create_study(
+            storage=make_storage(storage),
+            study_name=name,
+            directions=["maximize", "maximize"],
+            sampler=sampler,
+            load_if_exists=True,
+        )
+    except (optuna.exceptions.StorageInternalError, ImportError, ValueError) as e:
+        raise UserError(
+            f"cannot open Optuna storage {redact_url(storage)}: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def make_storage(url: str):
+    """RDB storage with heartbeats, so a trial whose worker died is failed and retried, not RUNNING forever."""
+    if url.startswith(("sqlite", "postgresql", "mysql")):
+        from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return RDBStorage(
+                    url,
+                    heartbeat_interval=30,
+                    grace_period=90,
+                    heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
+                    engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else {},
+                )
+        except Exception as e:  # sqlalchemy raises many types for an unreachable server
+            raise UserError(
+                f"cannot open Optuna storage {redact_url(url)}: {str(e).splitlines()[0][:200]}"
+            ) from None
+    return url
+
+
+def run_search(s: SearchSettings) -> dict:
+    """Run (or resume) a search and export the knee profile; returns the export summary."""
+    out = Path(s.out)
+    out.mkdir(parents=True, exist_ok=True)
+    storage = s.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    study_name = s.study_name or out.name
+    space = spaces.load_space(s.space)
+    if not 0 < s.min_fidelity <= 1:
+        raise UserError(f"--min-fidelity must be in (0, 1] (got {s.min_fidelity})")
+
+    items = prompts.load_prompts(s.data, field=s.data_field, categories=s.categories)
+    items = prompts.sample_prompts(items, s.prompts, s.seed)
+    calib, held = prompts.split_calibration(items, s.held_out, s.seed)
+
+    target = models.load(s.model, s.dtype, s.device, s.trust_remote_code)
+    draft = None
+    if s.draft:
+        draft = models.load(s.draft, s.dtype, s.device, s.trust_remote_code)
+        models.check_same_tokenizer(target, draft)
+    from ..routing import install_skipping, num_layers
+
+    n_layers = num_layers(target.model)
+    install_skipping(target.model)
+    drafters = ["self", "lookup"] + (["model"] if draft else [])
+
+    dev = target.model.device
+    ctx = _context_length(target.model)
+    calib_ids = _encode_all(target.tokenizer, calib, s.chat, s.max_new_tokens, ctx, dev)
+    held_ids = _encode_all(target.tokenizer, held, s.chat, s.max_new_tokens, ctx, dev)
+
+    signature = {
+        "space": spaces.space_signature(space, n_layers),
+        "target": target.fingerprint["source"].get("sha256") or target.fingerprint["vocab_sha256"],
+        "calibration": calibration_fingerprint([(p.id, p.text) for p in calib]),
+        "max_new_tokens": s.max_new_tokens,
+    }
+    study = open_study(storage, study_name, s.seed, s.min_fidelity)
+    old = study.user_attrs.get("signature")
+    if old and old != signature:
+        what = ", ".join(k for k in signature if old.get(k) != signature[k])
+        raise UserError(
+            f"study {study_name!r} already exists with a different {what}; pick a new --study-name or --out"
+        )
+    attrs = {
+        "signature": signature,
+        "num_layers": n_layers,
+        "min_fidelity": s.min_fidelity,
+        "target": s.model,
+        "target_fingerprint": target.fingerprint,
+        "draft": s.draft,
+        "draft_fingerprint": draft.fingerprint if draft else None,
+        "dtype": str(target.model.dtype).removeprefix("torch."),
+        "device": dev.type,
+        "calibration": {
+            "source": s.data,
+            "prompt_ids": [p.id for p in calib],
+            "fingerprint": signature["calibration"],
+            "held_out_ids": [p.id for p in held],
+        },
+        "space_source": space.source,
+        "max_new_tokens": s.max_new_tokens,
+        "storage": redact_url(storage),
+    }
+    for k, v in attrs.items():
+        study.set_user_attr(k, v)
+    spaces.enqueue_known_points(study, space, n_layers, drafters)
+
+    refs = _references(target.model, target.tokenizer, calib_ids, s.max_new_tokens, s.progress)
+    cache = replay.ReplayCache(target.model, refs, draft.model if draft else None)
+    cost = costmodel.fit(target.model, draft.model if draft else None, refs[0].prompt_ids)
+    ar_model_time = sum(len(r.output) for r in refs) * cost.target_time(1, None)
+
+    def objective(trial: optuna.Trial) -> tuple[float, float]:
+        cfg = spaces.suggest(trial, space, n_layers, drafters)
+        est = replay.simulate(cache, cfg)
+        modelled = ar_model_time / max(
+            cost.price(
+                est.calls,
+                SkipSet.of(cfg.skip_attn, cfg.skip_mlp),
+                SkipSet.of(cfg.draft_skip_attn, cfg.draft_skip_mlp),
+                cfg.drafter,
+            ),
+            1e-9,
+        )
+        trial.set_user_attr(
+            "estimate", {"fidelity": est.fidelity, "acceptance": est.acceptance, "speedup_modelled": modelled}
+        )
+        trial.set_user_attr("speedup_modelled", modelled)
+        if est.fidelity < s.min_fidelity - ESTIMATE_MARGIN:
+            trial.set_user_attr("measured", False)
+            trial.set_user_attr("fidelity", est.fidelity)
+            trial.set_user_attr("feasible", False)
+            trial.set_constraint("fidelity", s.min_fidelity - est.fidelity)
+            shares = [t / max(est.tokens, 1) for t in est.tiers]
+            trial.set_user_attr("tier_shares", dict(zip(("direct", "slim", "full"), shares, strict=True)))
+            return modelled, est.acceptance
+        m = measure(
+            target.model,
+            target.tokenizer,
+            draft.model if draft else None,
+            trial_decode_config(cfg),
+            refs,
+            s.max_new_tokens,
+            flip=bool(trial.number % 2),
+        )
+        if not all(map(_finite, (m.speedup, m.fidelity, m.acceptance))):
+            raise RuntimeError("non-finite measurement (the skip set may produce NaNs)")
+        trial.set_user_attr("measured", True)
+        trial.set_user_attr("fidelity", m.fidelity)
+        trial.set_user_attr("exact_match", m.exact)
+        trial.set_user_attr("feasible", m.fidelity >= s.min_fidelity)
+        trial.set_constraint("fidelity", s.min_fidelity - m.fidelity)
+        trial.set_user_attr("tier_shares", m.tier_shares)
+        trial.set_user_attr("tier_time_s", m.tier_time_s)
+        trial.set_user_attr("tokens_per_s", m.tokens_per_s)
+        trial.set_user_attr("ar_tokens_per_s", m.ar_tokens_per_s)
+        return m.speedup, m.acceptance
+
+    _optimize(study, objective, s)
+    if s.worker:
+        return {}
+
+    def evaluate_held_out(cfg: DecodeConfig) -> dict:
+        """Metrics for the exported profile on prompts the search never saw, vs AR and vs plain SD."""
+        hrefs = _references(target.model, target.tokenizer, held_ids, s.max_new_tokens, s.progress)
+        m = measure(
+            target.model,
+            target.tokenizer,
+            draft.model if draft else None,
+            cfg,
+            hrefs,
+            s.max_new_tokens,
+            False,
+        )
+        sd_cfg = DecodeConfig(mode="sd", gamma=cfg.gamma, drafter=cfg.drafter, draft_skip=cfg.draft_skip)
+        vs_sd = measure(
+            target.model,
+            target.tokenizer,
+            draft.model if draft else None,
+            cfg,
+            hrefs,
+            s.max_new_tokens,
+            True,
+            baseline=sd_cfg,
+        )
+        return {
+            "speedup_measured": m.speedup,
+            "speedup_vs_sd": vs_sd.speedup,
+            "acceptance": m.acceptance,
+            "fidelity": m.fidelity,
+            "exact_match": m.exact,
+            "tier_shares": m.tier_shares,
+            "tier_time_s": m.tier_time_s,
+            "held_out_prompts": len(hrefs),
+            "tokens_per_s": m.tokens_per_s,
+            "ar_tokens_per_s": m.ar_tokens_per_s,
+        }
+
+    return export_study(study, out, evaluate=evaluate_held_out)
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
+    """Run trials until the study holds ``s.trials`` finished ones (other workers' count too) or timeout."""
+    done = _finished(study)
+    todo = max(s.trials - done, 0)
+    if todo == 0:
+        log.warning("study already has %d finished trials; exporting", done)
+        return
+    bar = tqdm(total=s.trials, initial=done, desc="trials", disable=not s.progress, unit="trial")
+
+    def on_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        bar.n = _finished(study)
+        best = [
+            t.values[0]
+            for t in study.trials
+            if t.state == optuna.trial.TrialState.COMPLETE
+            and t.user_attrs.get("feasible")
+            and t.user_attrs.get("measured")
+        ]
+        bar.set_postfix(best_speedup=f"{max(best):.2f}x" if best else "-", refresh=False)
+        bar.refresh()
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    start = time.time()
+    try:
+        study.optimize(
+            objective,
+            timeout=s.timeout,
+            catch=(RuntimeError, ValueError, torch.OutOfMemoryError),
+            callbacks=[optuna.study.MaxTrialsCallback(s.trials, states=None), on_trial],
+        )
+    finally:
+        bar.close()
+        log.info("search ran %.0f s", time.time() - start)
+
+
+def _finished(study: optuna.Study) -> int:
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return len(study.get_trials(deepcopy=False, states=states))
