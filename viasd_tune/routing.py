@@ -151,9 +151,10 @@ class SkipAwareCache(DynamicCache):
         super().__init__(config=config)
         attn_skipped = skip.attn if skip is not None else frozenset()
         self._ref = list(range(len(self.layers)))
+        any_running = [i for i in range(len(self.layers)) if i not in attn_skipped]
         for kind in (True, False):
             same = [i for i, lay in enumerate(self.layers) if lay.is_sliding == kind]
-            running = [i for i in same if i not in attn_skipped]
+            running = [i for i in same if i not in attn_skipped] or any_running[:1]
             for i in same:
                 self._ref[i] = running[0] if running else i
         # Sliding-window layers must keep the past until we crop, or a rejected draft could not be rolled back.

@@ -1,0 +1,366 @@
+"""The dashboard: one offline HTML file, every figure there, built from studies that follow the search's contract,
+and rendered for real in headless Chromium (no console errors, no network, every figure drawn)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from browser import CHROMIUM, load_page  # tests/ is on sys.path (rootdir conftest, no package)
+from optuna.distributions import CategoricalDistribution, FloatDistribution
+from optuna.trial import TrialState, create_trial
+
+from viasd_tune import dashboard
+from viasd_tune.errors import UserError
+
+NUM_LAYERS = 8
+MIN_FIDELITY = 0.9
+FIGURES = ("pareto", "skips", "thresholds", "tokens", "history", "importances")
+DISTS = {
+    "drafter": CategoricalDistribution(["model", "self", "lookup"]),
+    "gamma": CategoricalDistribution([2, 4, 6, 8]),
+    "kl": CategoricalDistribution(["forward", "reverse", "js"]),
+    "tau_escalate": FloatDistribution(1e-3, 1.0, log=True),
+    "tau_accept_ratio": FloatDistribution(0.0, 1.0),
+    "skip_frac": FloatDistribution(0.0, 0.5),
+}
+PLAIN_SD_DISTS = {k: DISTS[k] for k in ("drafter", "gamma")} | {
+    "escalate_all": CategoricalDistribution([False, True])
+}
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _trial(rng: random.Random, i: int, *, infeasible: bool = False, new_constraint_format: bool = False):
+    """A complete trial as the search records it: measured objectives, constraint, config and tier attrs."""
+    params = {
+        "drafter": rng.choice(["model", "self", "lookup"]),
+        "gamma": rng.choice([2, 4, 6, 8]),
+        "kl": rng.choice(["forward", "reverse", "js"]),
+        "tau_escalate": 10 ** rng.uniform(-3, 0),
+        "tau_accept_ratio": rng.uniform(0, 1),
+        "skip_frac": rng.uniform(0, 0.5),
+    }
+    n_skip = round(params["skip_frac"] * 2 * NUM_LAYERS)
+    slots = rng.sample(
+        [(layer, kind) for layer in range(1, NUM_LAYERS - 1) for kind in ("attn", "mlp")], n_skip
+    )
+    fidelity = rng.uniform(0.6, 0.85) if infeasible else rng.uniform(0.9, 1.0)
+    speedup = 1.0 + 1.5 * params["skip_frac"] + rng.uniform(-0.2, 0.4)
+    acceptance = 1.0 + params["gamma"] * rng.uniform(0.2, 0.6)
+    direct = rng.uniform(0.2, 0.6)
+    slim = rng.uniform(0, 1 - direct)
+    self_draft = [2, 5] if params["drafter"] == "self" else []
+    user_attrs = {
+        "config": {
+            "skip_attn": sorted(layer for layer, k in slots if k == "attn"),
+            "skip_mlp": sorted(layer for layer, k in slots if k == "mlp"),
+            "tau_accept": params["tau_accept_ratio"] * params["tau_escalate"],
+            "tau_escalate": params["tau_escalate"],
+            "kl": params["kl"],
+            "gamma": params["gamma"],
+            "drafter": params["drafter"],
+            "draft_skip_attn": self_draft,
+            "draft_skip_mlp": self_draft,
+        },
+        "fidelity": fidelity,
+        "feasible": not infeasible,
+        "measured": True,
+        "tier_shares": {"direct": direct, "slim": slim, "full": 1 - direct - slim},
+        "tier_time_s": {
+            "draft": rng.uniform(0.1, 1),
+            "slim": rng.uniform(0.1, 1),
+            "full": rng.uniform(0.5, 2),
+        },
+        "speedup_modelled": speedup * rng.uniform(0.9, 1.1),
+    }
+    violation = MIN_FIDELITY - fidelity
+    return create_trial(
+        values=[speedup, acceptance],
+        params=params,
+        distributions=DISTS,
+        user_attrs=user_attrs,
+        system_attrs={} if new_constraint_format else {"constraints": [violation]},
+        constraints={"fidelity": violation} if new_constraint_format else None,
+    )
+
+
+def _plain_sd_trial():
+    """The enqueued plain-SD reference: τ_accept = τ_escalate = 0, nothing skipped."""
+    return create_trial(
+        values=[1.3, 2.4],
+        params={"drafter": "model", "gamma": 4, "escalate_all": True},
+        distributions=PLAIN_SD_DISTS,
+        user_attrs={
+            "config": {
+                "skip_attn": [],
+                "skip_mlp": [],
+                "tau_accept": 0.0,
+                "tau_escalate": 0.0,
+                "kl": "forward",
+                "gamma": 4,
+                "drafter": "model",
+                "draft_skip_attn": [],
+                "draft_skip_mlp": [],
+            },
+            "fidelity": 1.0,
+            "feasible": True,
+            "measured": True,
+            "tier_shares": {"direct": 0.0, "slim": 0.0, "full": 1.0},
+            "tier_time_s": {"draft": 0.4, "slim": 0.0, "full": 1.2},
+            "speedup_modelled": 1.25,
+        },
+        system_attrs={"constraints": [MIN_FIDELITY - 1.0]},
+    )
+
+
+def _replay_only_trial():
+    """A trial the replay estimate ruled out: modelled objectives, no timing, never measured."""
+    return create_trial(
+        values=[2.9, 1.6],
+        params={
+            "drafter": "lookup",
+            "gamma": 8,
+            "kl": "js",
+            "tau_escalate": 0.5,
+            "tau_accept_ratio": 0.9,
+            "skip_frac": 0.5,
+        },
+        distributions=DISTS,
+        user_attrs={
+            "config": {
+                "skip_attn": [1, 2, 3, 4, 5, 6],
+                "skip_mlp": [2, 3, 4, 5],
+                "tau_accept": 0.45,
+                "tau_escalate": 0.5,
+                "kl": "js",
+                "gamma": 8,
+                "drafter": "lookup",
+                "draft_skip_attn": [],
+                "draft_skip_mlp": [],
+            },
+            "fidelity": 0.41,
+            "feasible": False,
+            "measured": False,
+            "tier_shares": {"direct": 0.7, "slim": 0.2, "full": 0.1},
+            "speedup_modelled": 2.9,
+        },
+        system_attrs={"constraints": [MIN_FIDELITY - 0.41]},
+    )
+
+
+def populate(study: optuna.Study, seed: int = 0, export: bool = True) -> int | None:
+    """12 complete trials (feasible, infeasible, plain SD with τ = 0, a replay-only one), one failed, one pruned;
+    with ``export``, mark a feasible Pareto trial as exported (with held-out metrics) and return its number."""
+    rng = random.Random(seed)
+    study.set_user_attr("num_layers", NUM_LAYERS)
+    study.set_user_attr("min_fidelity", MIN_FIDELITY)
+    study.set_user_attr("target", "tiny/llama-8l")
+    study.set_user_attr("draft", "tiny/llama-2l")
+    study.add_trial(_plain_sd_trial())
+    for i in range(8):
+        study.add_trial(_trial(rng, i, new_constraint_format=(i == 3)))
+    study.add_trial(_trial(rng, 8, infeasible=True))
+    study.add_trial(_trial(rng, 9, infeasible=True, new_constraint_format=True))
+    study.add_trial(_replay_only_trial())
+    study.add_trial(create_trial(state=TrialState.FAIL, params={}, distributions={}))
+    study.add_trial(create_trial(state=TrialState.PRUNED, params={}, distributions={}))
+    if not export:
+        return None
+    # Export a middle point of the feasible front, as the knee pick would.
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    front = sorted(
+        (p for p in dashboard._points(complete, MIN_FIDELITY) if p.pareto), key=lambda p: p.speedup
+    )
+    chosen = front[len(front) // 2].number
+    study.set_user_attr("exported_trial", chosen)
+    study.set_user_attr(
+        f"held_out:{chosen}",
+        {
+            "speedup_measured": 1.7,
+            "speedup_vs_sd": 1.2,
+            "acceptance": 2.8,
+            "fidelity": 0.95,
+            "tier_shares": {"direct": 0.4, "slim": 0.35, "full": 0.25},
+            "tier_time_s": {"draft": 0.3, "slim": 0.5, "full": 0.9},
+            "held_out_prompts": 6,
+        },
+    )
+    return chosen
+
+
+def new_study(storage=None, name: str = "viasd-test") -> optuna.Study:
+    return optuna.create_study(storage=storage, study_name=name, directions=["maximize", "maximize"])
+
+
+def figure_divs(text: str) -> list[str]:
+    return re.findall(rf'<div id="{dashboard.FIG_ID_PREFIX}([a-z]+)" class="plotly-graph-div"', text)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, int]:
+    study = new_study()
+    exported = populate(study)
+    return dashboard.build_dashboard(study, tmp_path_factory.mktemp("dash") / "dashboard.html"), exported
+
+
+# ------------------------------------------------------------------------------------------------ the file
+
+
+def test_file_is_self_contained_with_every_figure(built):
+    text = built[0].read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>")
+    assert not re.search(r"<script[^>]+src=", text), "no external (or any src=) scripts"
+    assert '<script src="http' not in text
+    assert not re.search(r"<link[^>]+href=", text), "no external style sheets"
+    assert len(re.findall(r"\* plotly\.js v\d", text)) == 1, "plotly.js embedded exactly once"
+    assert figure_divs(text) == list(FIGURES)
+    assert text.count("Plotly.newPlot(") == len(FIGURES)
+
+
+def test_header_and_contract_details(built):
+    path, exported = built
+    text = path.read_text(encoding="utf-8")
+    header = text.split('<section id="pareto">', 1)[0]
+    assert "viasd-test" in header and "tiny/llama-8l" in header and "tiny/llama-2l" in header
+    # 12 complete: 9 feasible (plain SD + 8), 3 infeasible (2 + replay-only); plus 1 failed, 1 pruned.
+    assert "12 complete (9 feasible, 3 infeasible)" in header
+    assert "1 failed" in header and "1 pruned" in header
+    assert "min fidelity</th><td>0.9<" in header
+    assert f"trial #{exported}: speedup" in header and "held-out (6 prompts)" in header
+    assert f"exported #{exported}" in text  # the star's annotation on the front
+    assert "τ=0" in text and "drawn at floor" in text  # the plain-SD point on the threshold map
+    assert "replay estimate only" in text
+
+
+def test_pareto_marking_matches_the_definition():
+    study = new_study()
+    populate(study)
+    points = dashboard._points(study.get_trials(states=(TrialState.COMPLETE,)), MIN_FIDELITY)
+    feasible = [p for p in points if p.feasible]
+    for p in feasible:
+        beaten = any(
+            q.speedup >= p.speedup
+            and q.acceptance >= p.acceptance
+            and (q.speedup, q.acceptance) != (p.speedup, p.acceptance)
+            for q in feasible
+        )
+        assert p.pareto is not beaten, p.number
+    assert not any(p.pareto for p in points if not p.feasible)
+    assert sorted(p.number for p in points if not p.feasible) == [9, 10, 11]  # both constraint formats read
+
+
+def test_falls_back_when_nothing_is_exported(tmp_path):
+    study = new_study()
+    populate(study, export=False)
+    text = dashboard.build_dashboard(study, tmp_path / "d.html", title="my <run>").read_text(encoding="utf-8")
+    assert "<title>my &lt;run&gt;</title>" in text
+    assert "best-speedup feasible trial (nothing exported)" in text
+    assert figure_divs(text) == list(FIGURES)
+
+
+def test_importance_failure_becomes_a_note(tmp_path):
+    study = new_study()
+    study.set_user_attr("num_layers", NUM_LAYERS)
+    study.add_trial(_plain_sd_trial())  # one trial: importances cannot be computed
+    text = dashboard.build_dashboard(study, tmp_path / "d.html").read_text(encoding="utf-8")
+    assert figure_divs(text) == [f for f in FIGURES if f != "importances"]
+    assert "parameter importances unavailable" in text
+    assert len(re.findall(r"\* plotly\.js v\d", text)) == 1
+
+
+def test_an_importance_error_becomes_a_note(tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("Cannot evaluate parameter importances with only a single trial.\nmore")
+
+    monkeypatch.setattr(optuna.importance, "get_param_importances", boom)
+    study = new_study()
+    populate(study)
+    text = dashboard.build_dashboard(study, tmp_path / "d.html").read_text(encoding="utf-8")
+    assert figure_divs(text) == [f for f in FIGURES if f != "importances"]
+    assert "parameter importances unavailable: Cannot evaluate parameter importances" in text
+
+
+def test_a_study_without_complete_trials_is_a_user_error(tmp_path):
+    study = new_study()
+    study.add_trial(create_trial(state=TrialState.FAIL, params={}, distributions={}))
+    with pytest.raises(UserError, match="no complete trial"):
+        dashboard.build_dashboard(study, tmp_path / "d.html")
+    assert not (tmp_path / "d.html").exists()
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def test_dashboard_from_storage(tmp_path):
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    populate(new_study(url, "alpha"))
+    new_study(url, "empty")
+    out = dashboard.dashboard_from_storage(url, "alpha", tmp_path / "a.html")
+    assert figure_divs(out.read_text(encoding="utf-8")) == list(FIGURES)
+
+    with pytest.raises(UserError, match=r"no study 'beta' .*studies there: 'alpha', 'empty'") as e:
+        dashboard.dashboard_from_storage(url, "beta", tmp_path / "b.html")
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="'empty' .* has no complete trial"):
+        dashboard.dashboard_from_storage(url, "empty", tmp_path / "b.html")
+    with pytest.raises(UserError, match="no Optuna database at"):
+        dashboard.dashboard_from_storage(f"sqlite:///{tmp_path / 'nope.db'}", "alpha", tmp_path / "b.html")
+    assert not (tmp_path / "nope.db").exists()
+    assert not (tmp_path / "b.html").exists()
+
+
+def test_dashboard_from_out_dir(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    url = f"sqlite:///{run / 'study.db'}"
+    populate(new_study(url, "run"))
+    out = dashboard.dashboard_from_out_dir(run)
+    assert out == run / "dashboard.html"
+    assert figure_divs(out.read_text(encoding="utf-8")) == list(FIGURES)
+
+    # A second study: ambiguous until profile.json's provenance names one.
+    study2 = new_study(url, "second")
+    populate(study2, seed=1, export=False)
+    with pytest.raises(UserError, match="holds 2 studies"):
+        dashboard.dashboard_from_out_dir(run)
+    (run / "profile.json").write_text(json.dumps({"provenance": {"study": "second", "trial": 2}}))
+    text = dashboard.dashboard_from_out_dir(run, tmp_path / "custom.html").read_text(encoding="utf-8")
+    assert "viasd-tune study second" in text and "exported #2" in text  # the profile's trial is starred
+
+    with pytest.raises(UserError, match="no study.db"):
+        dashboard.dashboard_from_out_dir(tmp_path)
+    with pytest.raises(UserError, match="not a directory"):
+        dashboard.dashboard_from_out_dir(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    new_study(f"sqlite:///{empty / 'study.db'}", "empty")
+    with pytest.raises(UserError, match="has no complete trial"):
+        dashboard.dashboard_from_out_dir(empty)
+
+
+# ------------------------------------------------------------------------------------------------ browser
+
+
+@pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason=f"{CHROMIUM} not found; install it with: apt-get install -y chromium",
+)
+def test_renders_in_headless_chromium(built):
+    started = time.monotonic()
+    shot = Path("/tmp/viasd-dashboard.png")
+    report = load_page(built[0], screenshot=shot, width=1200, height=3000)
+    assert report.errors == [], report.errors
+    assert report.remote_requests == [], "the dashboard must not touch the network"
+    assert [f["id"] for f in report.figures] == [dashboard.FIG_ID_PREFIX + f for f in FIGURES]
+    for f in report.figures:
+        assert f["main_svg"] >= 1 and f["plot_container"] == 1, f
+        assert f["drawn"] > 0, f  # markers, bars or heat-map cells actually painted
+        assert 900 <= f["width"] <= 1100 and f["height"] >= 250, f
+    assert shot.stat().st_size > 50_000
+    assert time.monotonic() - started < 30

@@ -1,0 +1,315 @@
+"""Property tests (hypothesis) over random prompts, γ, skip sets, thresholds, divergences and drafters.
+
+(i) the lossless configurations equal greedy ``ar``; (ii) statistics add up for any configuration, greedy or
+sampled; (iii) with τ_accept = τ_escalate = ∞ the output is exactly the drafter's own greedy proposal plus the
+slim verifier's one token per round, reproduced here from cache-free forwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from conftest import VOCAB, noisy_copy, tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from viasd_tune.decoding.common import DIRECT, FULL, SLIM, divergence
+from viasd_tune.decoding.decoder import DecodeConfig, Decoder
+from viasd_tune.routing import SkipSet, skipping
+
+LAYERS = 4
+ARCHS = ("llama", "qwen2", "gemma3")  # gemma3: sliding window 16, exceeded by long prompts + new tokens
+
+# Built once: hypothesis calls each test body many times.
+_targets = {arch: tiny_model(arch, seed=10 + i, layers=LAYERS) for i, arch in enumerate(ARCHS)}
+MODELS = {arch: (t, noisy_copy(t, 0.15, seed=20 + i)) for i, (arch, t) in enumerate(_targets.items())}
+
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True)
+INF = float("inf")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Hundreds of tiny forwards: threads only add hand-off latency on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------------------ strategies
+
+
+@st.composite
+def prompts(draw) -> list[int]:
+    base = draw(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20))
+    if draw(st.booleans()):  # repeat a chunk so prompt lookup finds matches
+        start = draw(st.integers(0, len(base) - 1))
+        base = base + base[start : start + draw(st.integers(1, 8))]
+    return base
+
+
+skip_sets = st.builds(
+    SkipSet.of,
+    st.sets(st.integers(0, LAYERS - 1), max_size=3),
+    st.sets(st.integers(0, LAYERS - 1), max_size=3),
+)
+nonempty_skip_sets = skip_sets.filter(lambda s: not s.is_empty)
+gammas = st.integers(1, 6)
+drafters = st.sampled_from(["model", "self", "lookup"])
+kls = st.sampled_from(["forward", "reverse", "js"])
+archs = st.sampled_from(ARCHS)
+new_tokens = st.integers(1, 16)
+
+
+@st.composite
+def thresholds(draw) -> tuple[float, float]:
+    values = st.one_of(st.just(0.0), st.floats(0.0, 6.0, allow_nan=False), st.just(INF))
+    a, b = draw(values), draw(values)
+    return min(a, b), max(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def decode(arch: str, config: DecodeConfig, prompt: list[int], n: int, eos: set[int], **kw):
+    target, draft = MODELS[arch]
+    return Decoder(target, None, config, draft=draft, eos=set(eos)).generate(prompt, n, **kw)
+
+
+@functools.lru_cache(maxsize=512)
+def _greedy_ar(arch: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    return tuple(decode(arch, DecodeConfig(mode="ar"), list(prompt), n, set()).token_ids)
+
+
+def greedy_ar(arch: str, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+    """Greedy ar output (16 tokens computed once per prompt), cut at ``n`` tokens and after the first EOS."""
+    out = list(_greedy_ar(arch, tuple(prompt), 16))[:n]
+    stop = next((i for i, t in enumerate(out) if t in eos), None)
+    return out if stop is None else out[: stop + 1]
+
+
+@torch.inference_mode()
+def argmax_next(model, seq: list[int], skip: SkipSet | None = None) -> int:
+    """Greedy next token from a cache-free forward of the whole sequence."""
+    with skipping(model, skip):
+        return int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+
+
+def lookup_proposal(seq: list[int], gamma: int, max_ngram: int = 3) -> list[int]:
+    """Prompt lookup, written independently: the latest earlier occurrence of the longest matching suffix
+    n-gram (n ≤ max_ngram) that has a successor, and up to γ tokens after it."""
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        tail = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start : start + n] == tail:
+                return seq[start + n : start + n + gamma]
+    return []
+
+
+def drafter_proposal(arch, drafter: str, draft_skip: SkipSet, seq: list[int], gamma: int) -> list[int]:
+    target, draft = MODELS[arch]
+    if drafter == "lookup":
+        return lookup_proposal(seq, gamma)
+    model, skip = (draft, None) if drafter == "model" else (target, draft_skip)
+    out: list[int] = []
+    for _ in range(gamma):
+        out.append(argmax_next(model, seq + out, skip))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ (i)
+
+
+@st.composite
+def lossless_configs(draw) -> DecodeConfig:
+    gamma, drafter, draft_skip = draw(gammas), draw(drafters), draw(nonempty_skip_sets)
+    kind = draw(st.sampled_from(["sd", "viasd-escalate0", "viasd-empty-skip"]))
+    if kind == "sd":
+        return DecodeConfig(mode="sd", gamma=gamma, drafter=drafter, draft_skip=draft_skip)
+    if kind == "viasd-escalate0":
+        tau = (0.0, 0.0)
+        skip = draw(skip_sets)
+    else:  # the slim verifier is the target itself; nothing is accepted without it (τ_accept = 0)
+        tau = (0.0, draw(st.one_of(st.floats(0.0, 6.0, allow_nan=False), st.just(INF))))
+        skip = SkipSet()
+    return DecodeConfig(
+        mode="viasd",
+        gamma=gamma,
+        drafter=drafter,
+        draft_skip=draft_skip,
+        skip=skip,
+        tau_accept=tau[0],
+        tau_escalate=tau[1],
+        kl=draw(kls),
+    )
+
+
+@SETTINGS
+@given(
+    arch=archs,
+    prompt=prompts(),
+    config=lossless_configs(),
+    n=new_tokens,
+    eos=st.sets(st.integers(3, VOCAB - 1), max_size=1),
+)
+def test_lossless_configs_equal_greedy_ar(arch, prompt, config, n, eos):
+    result = decode(arch, config, prompt, n, eos)
+    assert result.token_ids == greedy_ar(arch, prompt, n, eos)
+    if config.tau_escalate == 0:
+        assert result.tiers == [FULL] * len(result.token_ids)
+    assert DIRECT not in result.tiers  # τ_accept = 0: every token went through a verifier
+
+
+# ------------------------------------------------------------------------------------------------ (ii)
+
+
+@st.composite
+def any_configs(draw) -> DecodeConfig:
+    mode = draw(st.sampled_from(["ar", "sd", "viasd", "viasd"]))
+    tau_accept, tau_escalate = draw(thresholds())
+    return DecodeConfig(
+        mode=mode,
+        gamma=draw(gammas),
+        drafter=draw(drafters),
+        draft_skip=draw(nonempty_skip_sets),
+        skip=draw(skip_sets),
+        tau_accept=tau_accept,
+        tau_escalate=tau_escalate,
+        kl=draw(kls),
+    )
+
+
+@SETTINGS
+@given(
+    arch=archs,
+    prompt=prompts(),
+    config=any_configs(),
+    n=new_tokens,
+    eos=st.sets(st.integers(3, VOCAB - 1), max_size=2),
+    temperature=st.sampled_from([0.0, 0.0, 0.7, 1.3]),
+    top_p=st.sampled_from([1.0, 0.8]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_stats_add_up(arch, prompt, config, n, eos, temperature, top_p, seed):
+    result = decode(arch, config, prompt, n, eos, temperature=temperature, top_p=top_p, seed=seed)
+    s, ids, tiers = result.stats, result.token_ids, result.tiers
+    assert len(ids) == len(tiers) == s.new_tokens
+    assert 1 <= s.new_tokens <= n
+    assert all(0 <= t < VOCAB for t in ids)
+    # Generation stops exactly at max_new_tokens or right after the first EOS.
+    assert all(t not in eos for t in ids[:-1])
+    assert s.new_tokens == n or ids[-1] in eos
+    assert [s.tokens_direct, s.tokens_slim, s.tokens_full] == [tiers.count(t) for t in (DIRECT, SLIM, FULL)]
+    assert s.tokens_direct + s.tokens_slim + s.tokens_full == s.new_tokens
+    d = s.to_dict()
+    assert all(math.isfinite(v) and v >= 0 for v in d.values()), d
+    assert s.rounds >= 1 and s.full_calls <= s.rounds and s.slim_calls <= s.rounds
+    for tier in ("draft", "slim", "full"):
+        assert d[f"{tier}_tokens_processed"] >= d[f"{tier}_calls"]
+    if config.mode == "ar":
+        assert s.rounds == s.full_calls == s.new_tokens == s.tokens_full
+    else:
+        assert s.tokens_direct <= s.drafted  # a directly accepted token is a draft token
+        # Every round but a truncated last one ends with one slim- or full-decided token.
+        assert s.tokens_slim + s.tokens_full >= s.rounds - 1
+    if config.mode != "viasd":
+        assert s.tokens_direct == s.tokens_slim == s.slim_calls == 0
+    if config.mode != "ar" and config.drafter == "lookup":
+        assert s.draft_calls == 0
+
+
+# ------------------------------------------------------------------------------------------------ (iii)
+
+
+@SETTINGS
+@given(
+    arch=archs,
+    prompt=prompts(),
+    gamma=gammas,
+    drafter=drafters,
+    draft_skip=nonempty_skip_sets,
+    skip=skip_sets,
+    kl=kls,
+    n=new_tokens,
+)
+def test_infinite_thresholds_accept_every_draft(arch, prompt, gamma, drafter, draft_skip, skip, kl, n):
+    """Each round: the drafter's k ≤ γ proposals, all accepted directly, then the slim verifier's greedy token
+    after them. A round with no proposal (lookup without a match) gets one token from a verifier."""
+    config = DecodeConfig(
+        mode="viasd",
+        gamma=gamma,
+        drafter=drafter,
+        draft_skip=draft_skip,
+        skip=skip,
+        tau_accept=INF,
+        tau_escalate=INF,
+        kl=kl,
+    )
+    result = decode(arch, config, prompt, n, set())
+    target, _ = MODELS[arch]
+    seq, expected_tiers, i = list(prompt), [], 0
+    while i < n:
+        drafts = drafter_proposal(arch, drafter, draft_skip, seq, gamma)
+        if drafts:
+            bonus = argmax_next(target, seq + drafts, skip)
+            tokens, tiers = drafts + [bonus], [DIRECT] * len(drafts) + [SLIM]
+        else:
+            # Nothing to judge: either verifier may produce the token; it must be that verifier's greedy choice.
+            tier = result.tiers[i]
+            assert tier in (SLIM, FULL)
+            tokens, tiers = [argmax_next(target, seq, skip if tier == SLIM else None)], [tier]
+        tokens, tiers = tokens[: n - i], tiers[: n - i]
+        assert result.token_ids[i : i + len(tokens)] == tokens, f"round starting at new token {i}"
+        expected_tiers += tiers
+        seq += tokens
+        i += len(tokens)
+    assert result.token_ids == seq[len(prompt) :]
+    assert result.tiers == expected_tiers
+    if drafter != "lookup":
+        assert result.stats.full_calls == 0
+
+
+# ------------------------------------------------------------------------------------------------ divergences
+
+
+@SETTINGS
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.integers(2, 12),
+    scale=st.floats(0.1, 8.0),
+    same=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_divergences_match_their_definitions(rows, vocab, scale, same, seed):
+    """D_i routes every token: forward = KL(p_slim ‖ q), reverse = KL(q ‖ p_slim), js = Jensen–Shannon,
+    one-hot draft = −log p_slim(token); all ≥ 0, zero when the distributions agree."""
+    g = torch.Generator().manual_seed(seed)
+    slim = torch.randn(rows, vocab, generator=g) * scale  # float32, as CachedLM returns them
+    draft = slim.clone() if same else torch.randn(rows, vocab, generator=g) * scale
+    tokens = torch.randint(0, vocab, (rows,), generator=g)
+    p, q = torch.softmax(slim.double(), -1), torch.softmax(draft.double(), -1)  # reference in float64
+    m = (p + q) / 2
+    want = {
+        "forward": (p * (p.log() - q.log())).sum(-1),
+        "reverse": (q * (q.log() - p.log())).sum(-1),
+        "js": 0.5 * (p * (p.log() - m.log())).sum(-1) + 0.5 * (q * (q.log() - m.log())).sum(-1),
+    }
+    for kind, ref in want.items():
+        d = divergence(slim, draft, tokens, kind)
+        assert d.shape == (rows,) and (d >= 0).all()
+        torch.testing.assert_close(d.double(), ref.clamp_min(0.0), atol=2e-5, rtol=1e-4)
+        if same:
+            assert (d < 1e-5).all()
+    assert (divergence(slim, draft, tokens, "js") <= math.log(2) + 1e-5).all()
+    torch.testing.assert_close(divergence(draft, slim, tokens, "js"), divergence(slim, draft, tokens, "js"))
+    for kind in want:  # a one-hot drafter: −log p_slim(token) whatever the kind
+        torch.testing.assert_close(
+            divergence(slim, None, tokens, kind).double(),
+            -p.log().gather(-1, tokens[:, None])[:, 0],
+            atol=2e-5,
+            rtol=1e-4,
+        )
