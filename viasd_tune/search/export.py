@@ -130,7 +130,11 @@ def export_study(
     from .run import trial_decode_config
     from .space import TrialConfig
 
-    chosen = pick_trial(study, pick)
+    try:
+        chosen = pick_trial(study, pick)
+    except UserError:
+        _write_dashboard(study, out, None)  # nothing to export, but the study is still worth looking at
+        raise
     # Finished trials are read-only in Optuna, so held-out metrics live in the study's attrs.
     held = study.user_attrs.get(f"held_out:{chosen.number}")
     if evaluate is not None and held is None:
@@ -146,13 +150,7 @@ def export_study(
     for t in front:
         write_profile(out / "pareto" / f"trial-{t.number:04d}.json", build_profile(study, t))
     study.set_user_attr("exported_trial", chosen.number)
-    dashboard = None
-    try:
-        from ..dashboard import build_dashboard
-
-        dashboard = build_dashboard(study, out / "dashboard.html", exported_trial=chosen.number)
-    except ImportError:
-        log.warning("dashboard module unavailable; skipped dashboard.html")
+    dashboard = _write_dashboard(study, out, chosen.number)
     return {
         "profile": str(out / "profile.json"),
         "trial": chosen.number,
@@ -161,3 +159,13 @@ def export_study(
         "config": chosen.user_attrs["config"],
         "dashboard": str(dashboard) if dashboard else None,
     }
+
+
+def _write_dashboard(study: optuna.Study, out: Path, exported: int | None) -> Path | None:
+    from ..dashboard import build_dashboard
+
+    try:
+        return build_dashboard(study, out / "dashboard.html", exported_trial=exported)
+    except UserError as e:  # e.g. no complete trial yet
+        log.warning("dashboard skipped: %s", e)
+        return None
