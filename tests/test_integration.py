@@ -18,11 +18,7 @@ from viasd_tune.routing import SkipSet
 pytestmark = pytest.mark.integration
 
 N_NEW = 32
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain why the sky is blue.",
-    "List three uses of Python.",
-]
+PROMPTS = ["Write a short poem about the sea.", "Explain why the sky is blue."]
 SELF_DRAFT = SkipSet.of(range(4, 26, 2), range(4, 26, 2))  # 22 of 60 sub-layers skipped
 
 
@@ -43,9 +39,9 @@ def ar_outputs(smol):
 
 def test_answers_the_capital_of_france(smol):
     decoder = Decoder(smol.model, smol.tokenizer, DecodeConfig(mode="ar"))
-    result = decoder.generate("What is the capital of France?", 16)
+    result = decoder.generate("What is the capital of France?", 12)
     assert "Paris" in result.text, result.text
-    assert result.stats.new_tokens == len(result.token_ids) <= 16
+    assert result.stats.new_tokens == len(result.token_ids) <= 12
 
 
 def test_ar_equals_transformers_generate(smol, ar_outputs):
@@ -62,7 +58,7 @@ def test_ar_equals_transformers_generate(smol, ar_outputs):
 
 
 LOSSLESS = {
-    "sd-self": DecodeConfig(mode="sd", gamma=4, drafter="self", draft_skip=SELF_DRAFT),
+    "sd-self": DecodeConfig(mode="sd", gamma=2, drafter="self", draft_skip=SELF_DRAFT),
     "sd-lookup": DecodeConfig(mode="sd", gamma=5, drafter="lookup"),
     "viasd-escalate0": DecodeConfig(
         mode="viasd",
@@ -95,7 +91,7 @@ def test_lossless_modes_equal_ar(smol, ar_outputs, name):
 def test_viasd_with_real_thresholds(smol):
     config = DecodeConfig(
         mode="viasd",
-        gamma=4,
+        gamma=3,
         drafter="self",
         draft_skip=SELF_DRAFT,
         skip=SkipSet.of([12, 16], [14]),
@@ -103,9 +99,9 @@ def test_viasd_with_real_thresholds(smol):
         tau_escalate=1.0,
     )
     decoder = Decoder(smol.model, smol.tokenizer, config)
-    result = decoder.generate(PROMPTS[1], N_NEW)
+    result = decoder.generate(PROMPTS[1], 24)
     s = result.stats
-    assert 1 <= s.new_tokens == len(result.token_ids) == len(result.tiers) <= N_NEW
+    assert 1 <= s.new_tokens == len(result.token_ids) == len(result.tiers) <= 24
     assert [s.tokens_direct, s.tokens_slim, s.tokens_full] == [
         result.tiers.count(t) for t in (DIRECT, SLIM, FULL)
     ]
