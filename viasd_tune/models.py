@@ -148,6 +148,11 @@ def _gguf_dir(gguf_path: str, sha256: str) -> Path:
     if (out / "config.json").exists():
         return out
     src = Path(gguf_path)
+    arch = _gguf_architecture(src)  # before the slow conversion, which fails late and less clearly
+    if arch not in GGUF_ARCHITECTURES:
+        raise UserError(
+            f"GGUF {src.name} holds a {arch!r} model; layer skipping supports {', '.join(GGUF_ARCHITECTURES)}"
+        )
     log.warning("converting %s once to %s (later loads take seconds)", src.name, out)
     try:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
@@ -163,6 +168,19 @@ def _gguf_dir(gguf_path: str, sha256: str) -> Path:
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
+
+
+# GGUF ``general.architecture`` names of the model types routing.py can skip sub-layers in.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+
+
+def _gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        return str(GGUFReader(path).fields["general.architecture"].contents())
+    except (ValueError, KeyError, OSError, IndexError) as e:
+        raise UserError(f"{path.name} is not a readable GGUF file ({e}); pass a valid .gguf file") from None
 
 
 def load(

@@ -114,6 +114,9 @@ def _load_study(storage: str, name: str):
 
     from .run import make_storage
 
+    db = storage.removeprefix("sqlite:///").split("?", 1)[0] if storage.startswith("sqlite:///") else ""
+    if db not in ("", ":memory:") and not Path(db).is_file():  # SQLAlchemy would create an empty one there
+        raise UserError(f"no Optuna database at {db}; check the path (a search writes <out>/study.db)")
     try:
         return optuna.load_study(study_name=name, storage=make_storage(storage))
     except KeyError:

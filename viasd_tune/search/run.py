@@ -9,7 +9,10 @@ decoding, and the measured numbers become the objectives.
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import socket
 import statistics
 import time
 import warnings
@@ -181,25 +184,65 @@ def open_study(storage: str, name: str, seed: int, min_fidelity: float) -> optun
 
 
 def make_storage(url: str):
-    """RDB storage with heartbeats, so a trial whose worker died is failed and retried, not RUNNING forever."""
-    if url.startswith(("sqlite", "postgresql", "mysql")):
-        from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+    """RDB storage with heartbeats, so a trial whose worker died is failed and retried, not RUNNING forever.
 
+    ``VIASD_HEARTBEAT_INTERVAL`` / ``VIASD_GRACE_PERIOD`` (seconds) override the 30 s / 90 s defaults: a
+    dead worker's trial is retried ``grace`` seconds after its last heartbeat, so tests use a few seconds.
+    """
+    if "://" not in url:
+        return url
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+    interval, grace = _env_seconds("VIASD_HEARTBEAT_INTERVAL", 30), _env_seconds("VIASD_GRACE_PERIOD", 90)
+
+    def connect() -> RDBStorage:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(
+                _with_driver(url),
+                heartbeat_interval=interval,
+                grace_period=grace,
+                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
+                engine_kwargs={} if url.startswith("sqlite") else {"pool_pre_ping": True},
+            )
+
+    try:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return RDBStorage(
-                    url,
-                    heartbeat_interval=30,
-                    grace_period=90,
-                    heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
-                    engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else {},
-                )
-        except Exception as e:  # sqlalchemy raises many types for an unreachable server
-            raise UserError(
-                f"cannot open Optuna storage {redact_url(url)}: {str(e).splitlines()[0][:200]}"
-            ) from None
+            return connect()
+        except ImportError:
+            raise
+        except Exception:
+            time.sleep(1.0)  # N workers started at once on an empty database race to create its tables
+            return connect()
+    except Exception as e:  # sqlalchemy raises many types for an unreachable server or a bad URL
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if isinstance(e, ImportError):
+            first = (
+                "its database driver is not installed (for PostgreSQL: pip install 'viasd-tune[postgres]')"
+            )
+        # Driver messages can quote the URL, and so its password: never print that.
+        first = first.replace(url, redact_url(url)).replace(_with_driver(url), redact_url(url))
+        raise UserError(f"cannot open Optuna storage {redact_url(url)}: {first}") from None
+
+
+def _with_driver(url: str) -> str:
+    """SQLAlchemy 2.1 maps a bare ``postgresql://`` to psycopg 3; use psycopg2 (our ``postgres`` extra) when
+    only that one is installed, so the URL a user copies from the README works either way."""
+    import importlib.util
+
+    bare = url.startswith("postgresql://")
+    if bare and importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2"):
+        return "postgresql+psycopg2://" + url.removeprefix("postgresql://")
     return url
+
+
+def _env_seconds(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{name}={value!r} must be a whole number of seconds >= 1")
+    return int(value)
 
 
 def run_search(s: SearchSettings) -> dict:
@@ -215,6 +258,7 @@ def run_search(s: SearchSettings) -> dict:
     items = prompts.load_prompts(s.data, field=s.data_field, categories=s.categories)
     items = prompts.sample_prompts(items, s.prompts, s.seed)
     calib, held = prompts.split_calibration(items, s.held_out, s.seed)
+    study = open_study(storage, study_name, s.seed, s.min_fidelity)  # before loading models: fail fast
 
     target = models.load(s.model, s.dtype, s.device, s.trust_remote_code)
     draft = None
@@ -238,7 +282,6 @@ def run_search(s: SearchSettings) -> dict:
         "calibration": calibration_fingerprint([(p.id, p.text) for p in calib]),
         "max_new_tokens": s.max_new_tokens,
     }
-    study = open_study(storage, study_name, s.seed, s.min_fidelity)
     old = study.user_attrs.get("signature")
     if old and old != signature:
         what = ", ".join(k for k in signature if old.get(k) != signature[k])
@@ -367,41 +410,122 @@ def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
 
+POLL_S = 0.5  # how often a worker with nothing to start re-reads the study
+
+
+def _guarded(objective):
+    """The objective, recording who ran each trial and why one failed: an exception (or NaN objectives) fails
+    that trial with ``fail_reason`` in its user attrs and the search goes on; Ctrl-C fails the running trial
+    with its reason too (not left RUNNING) and then stops the search."""
+
+    def run(trial: optuna.Trial) -> tuple[float, float]:
+        # which machine and process ran it: says whose trials a dead worker left behind
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        try:
+            values = objective(trial)
+            if not all(map(_finite, values)):
+                raise RuntimeError(f"non-finite objective values {values}")
+            return values
+        except KeyboardInterrupt:
+            trial.set_user_attr("fail_reason", "interrupted (Ctrl-C / SIGINT)")
+            raise
+        except Exception as e:
+            reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:500]
+            trial.set_user_attr("fail_reason", reason)
+            log.warning("trial %d failed: %s", trial.number, reason, exc_info=log.isEnabledFor(logging.INFO))
+            raise
+
+    return run
+
+
+def _reason(last: list[optuna.trial.FrozenTrial]) -> str:
+    return last[0].user_attrs.get("fail_reason", "?") if last else "taken over by another worker"
+
+
+def _patience(trials: list[optuna.trial.FrozenTrial]) -> float:
+    """How long to wait for other workers' running trials when nothing changes: a live worker's trial ends
+    within a few trial durations, a dead one's goes stale within the grace period; one killed before its
+    first heartbeat does neither and must not hold this worker forever."""
+    spans = [
+        (t.datetime_complete - t.datetime_start).total_seconds()
+        for t in trials
+        if t.datetime_complete and t.datetime_start
+    ]
+    return _env_seconds("VIASD_GRACE_PERIOD", 90) + 60 + 3 * max(spans, default=0.0)
+
+
 def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
-    """Run trials until the study holds ``s.trials`` finished ones (other workers' count too) or timeout."""
-    done = _finished(study)
-    todo = max(s.trials - done, 0)
-    if todo == 0:
-        log.warning("study already has %d finished trials; exporting", done)
-        return
-    bar = tqdm(total=s.trials, initial=done, desc="trials", disable=not s.progress, unit="trial")
+    """Run trials until the study holds ``s.trials`` finished ones, counting every worker's, or until timeout.
 
-    def on_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        bar.n = _finished(study)
-        best = [
-            t.values[0]
-            for t in study.trials
-            if t.state == optuna.trial.TrialState.COMPLETE
-            and t.user_attrs.get("feasible")
-            and t.user_attrs.get("measured")
-        ]
-        bar.set_postfix(best_speedup=f"{max(best):.2f}x" if best else "-", refresh=False)
-        bar.refresh()
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    start = time.time()
+    One trial per ``study.optimize`` call, so each start re-reads the study: a trial another worker is running
+    counts as on its way (no overshoot); a trial whose worker died is failed once its heartbeat is stale and
+    re-queued (RetryHeartbeatStaleTrialCallback), and such a retry is run even past the count, the study owes
+    it; a worker with nothing left to start waits for the others' running trials, so none is left RUNNING and
+    the exporting process sees every result. Failed trials do not count, so they are replaced.
+    """
+    TS = optuna.trial.TrialState
+    debug = log.isEnabledFor(logging.INFO)
+    optuna.logging.set_verbosity(optuna.logging.WARNING if debug else optuna.logging.ERROR)  # we log failures
+    bar = tqdm(total=s.trials, desc="trials", disable=not s.progress, unit="trial")
+    start, ran, failed_in_a_row, last = time.time(), 0, 0, []
+    progress, idle_since = None, time.time()
+    guarded = _guarded(objective)
     try:
-        study.optimize(
-            objective,
-            timeout=s.timeout,
-            catch=(RuntimeError, ValueError, torch.OutOfMemoryError),
-            callbacks=[optuna.study.MaxTrialsCallback(s.trials, states=None), on_trial],
+        while True:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)  # a dead worker's trial → FAIL + a WAITING retry
+            trials = study.get_trials(deepcopy=False)
+            n = collections.Counter(t.state for t in trials)
+            done, running = n[TS.COMPLETE] + n[TS.PRUNED], n[TS.RUNNING]
+            retry = any(t.state == TS.WAITING and "failed_trial" in t.system_attrs for t in trials)
+            if (done, running, len(trials)) != progress:
+                progress, idle_since = (done, running, len(trials)), time.time()
+            best = [
+                t.values[0]
+                for t in trials
+                if t.state == TS.COMPLETE and t.user_attrs.get("feasible") and t.user_attrs.get("measured")
+            ]
+            bar.n = min(done, s.trials)
+            bar.set_postfix(best_speedup=f"{max(best):.2f}x" if best else "-", refresh=False)
+            bar.refresh()
+            if s.timeout is not None and time.time() - start >= s.timeout:
+                break
+            if done + running < s.trials or retry:
+                last.clear()
+                try:
+                    study.optimize(
+                        guarded, n_trials=1, catch=(Exception,), callbacks=[lambda _, t: last.append(t)]
+                    )
+                except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as e:
+                    # This worker stalled past the grace period, so another one failed its trial as stale
+                    # and re-queued it; the retry carries the work, this result is dropped.
+                    if isinstance(e, ValueError) and not str(e).startswith("Cannot tell a"):
+                        raise
+                    log.warning("a trial of this worker was taken over by another (heartbeat stale)")
+                ran += 1
+                failed_in_a_row = failed_in_a_row + 1 if not last or last[0].state == TS.FAIL else 0
+                if failed_in_a_row >= max(s.trials, 3):
+                    raise UserError(
+                        f"the last {failed_in_a_row} trials all failed (last: {_reason(last)}); "
+                        "each failed trial's fail_reason user attr says why, --debug shows tracebacks"
+                    )
+            elif running and time.time() - idle_since < _patience(trials):
+                time.sleep(POLL_S)  # the last trials are other workers'; wait so none is left RUNNING
+            else:
+                if running:
+                    log.warning("not waiting longer for %d trial(s) RUNNING without progress", running)
+                break
+    except KeyboardInterrupt:
+        bar.close()  # so the message does not land inside the progress bar
+        log.warning(
+            "interrupted: finished trials stay in study %r; re-run the same command to resume, or run "
+            "`viasd-tune export` for the best profile so far",
+            study.study_name,
         )
+        raise
     finally:
         bar.close()
-        log.info("search ran %.0f s", time.time() - start)
-
-
-def _finished(study: optuna.Study) -> int:
-    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    return len(study.get_trials(deepcopy=False, states=states))
+    if ran == 0 and done >= s.trials:
+        log.warning("study already has %d finished trials; exporting", done)
+    log.info("search ran %.0f s", time.time() - start)

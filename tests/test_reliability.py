@@ -1,0 +1,334 @@
+"""Reliability: workers on one study (SQLite and a real PostgreSQL) with one killed mid-trial, Ctrl-C during a
+search, a failing trial, and writes interrupted half-way."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from test_profile import make_profile
+
+from viasd_tune import fsutil
+from viasd_tune.cli import main
+from viasd_tune.dashboard import build_dashboard
+from viasd_tune.profile import load_profile, write_profile
+from viasd_tune.search import replay
+from viasd_tune.search import run as search_run
+from viasd_tune.search.run import SearchSettings, make_storage, run_search
+
+TS = optuna.trial.TrialState
+REPO = Path(__file__).resolve().parents[1]
+PASSWORD = "s3cret-pw"  # in the PostgreSQL URL (the test server trusts loopback, so it is never checked)
+
+# `viasd-tune ARGS`, each trial held TEST_TRIAL_DELAY seconds at its start (before its replay estimate is
+# recorded), so a test can signal a worker while it is surely mid-trial.
+SLOW_CLI = """
+import os, sys, time
+from viasd_tune.search import replay
+_simulate = replay.simulate
+def simulate(*args, **kwargs):
+    time.sleep(float(os.environ["TEST_TRIAL_DELAY"]))
+    return _simulate(*args, **kwargs)
+replay.simulate = simulate
+from viasd_tune.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _env(tmp: Path, delay: float) -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",  # three workers on two cores
+        "VIASD_HEARTBEAT_INTERVAL": "1",
+        "VIASD_GRACE_PERIOD": "5",  # a dead worker's trial is retried 5 s after its last heartbeat
+        "TEST_TRIAL_DELAY": str(delay),
+        "HF_HUB_OFFLINE": "1",
+        "VIASD_TUNE_CACHE": str(tmp / "cache"),
+    }
+
+
+def _search_argv(tiny_dirs, storage: str, name: str, out: Path, trials: int) -> list[str]:
+    target, draft = tiny_dirs
+    return [
+        "search", "--model", target, "--draft", draft, "--dtype", "float32", "--device", "cpu",
+        "--prompts", "4", "--trials", str(trials), "--space", "smoke", "--max-new-tokens", "8",
+        "--min-fidelity", "0.05", "--storage", storage, "--study-name", name, "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+
+
+def _start(argv: list[str], tmp: Path, tag: str, delay: float) -> subprocess.Popen:
+    log = (tmp / f"{tag}.log").open("w")
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_CLI, *argv], cwd=tmp, env=_env(tmp, delay), stdout=log, stderr=log
+    )
+
+
+def _log(tmp: Path, tag: str) -> str:
+    return (tmp / f"{tag}.log").read_text()
+
+
+def _trials(storage, name: str) -> list[optuna.trial.FrozenTrial]:
+    try:
+        return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    except KeyError:  # not created yet
+        return []
+
+
+def _wait_mid_trial(
+    storage, name, proc, tmp, tag, need_complete=0, timeout=150.0
+) -> optuna.trial.FrozenTrial:
+    """A trial ``proc`` is running and is in its held start (configuration sampled, no replay estimate yet)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"{tag} ended early:\n{_log(tmp, tag)}"
+        trials = _trials(storage, name)
+        mine = [
+            t
+            for t in trials
+            if t.state == TS.RUNNING
+            and t.user_attrs.get("worker", "").endswith(f":{proc.pid}")
+            and "config" in t.user_attrs  # sampled,
+            and "estimate" not in t.user_attrs  # not yet estimated: in the held start
+        ]
+        if mine and sum(t.state == TS.COMPLETE for t in trials) >= need_complete:
+            return mine[0]
+        time.sleep(0.1)
+    raise AssertionError(f"{tag} never got mid-trial:\n{_log(tmp, tag)}")
+
+
+# ---------------------------------------------------------------------------------------------- PostgreSQL
+
+
+def _pg_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    path = found[-1] if found else shutil.which("initdb")
+    return Path(path).parent if path else None
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A throwaway PostgreSQL server on 127.0.0.1 (data and socket in a temp dir), or VIASD_TEST_POSTGRES_URL."""
+    if os.environ.get("VIASD_TEST_POSTGRES_URL"):
+        yield os.environ["VIASD_TEST_POSTGRES_URL"]
+        return
+    pytest.importorskip(
+        "psycopg2", reason="the postgres extra is not installed: pip install -e '.[postgres]'"
+    )
+    bin_dir = _pg_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL server is not installed (Debian: apt-get install postgresql)")
+    as_user: list[str] = []
+    owner = None
+    if os.geteuid() == 0:  # initdb and postgres refuse to run as root
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' user to run the server as")
+        runuser = shutil.which("runuser")
+        as_user = [runuser, "-u", "postgres", "--"] if runuser else ["su", "postgres", "-s", "/bin/sh", "-c"]
+    base = Path(tempfile.mkdtemp(prefix="viasd-pg-"))  # not under pytest's tmp: that one is private to root
+    if owner:
+        os.chown(base, owner.pw_uid, owner.pw_gid)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def pg(*args: str) -> None:
+        cmd = [str(bin_dir / args[0]), *args[1:]]
+        cmd = [*as_user, shlex.join(cmd)] if as_user[:1] == ["su"] else [*as_user, *cmd]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        log = (base / "server.log").read_text() if (base / "server.log").exists() else ""
+        assert done.returncode == 0, f"{args[0]} failed: {done.stderr}\n{log}"
+
+    data = base / "data"
+    opts = f"-k {base} -p {port} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off"
+    pg("initdb", "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
+    pg("pg_ctl", "-D", str(data), "-l", str(base / "server.log"), "-w", "-o", opts, "start")
+    try:
+        yield f"postgresql://postgres:{PASSWORD}@127.0.0.1:{port}/postgres"
+    finally:
+        pg("pg_ctl", "-D", str(data), "-m", "immediate", "stop")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_workers_share_a_study_and_survive_a_killed_one(backend, tiny_dirs, tmp_path, request, capsys):
+    """3 worker processes on one study; one SIGKILLed mid-trial. Its trial is failed by the heartbeat check and
+    re-run, the study reaches its count with every trial accounted for, and export writes a valid profile."""
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'study.db'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+    name, trials = f"dist-{os.getpid()}-{time.time_ns()}", 6
+    argv = [*_search_argv(tiny_dirs, url, name, tmp_path / "out", trials), "--worker"]
+    procs = [_start(argv, tmp_path, f"w{i}", delay=1.0) for i in range(3)]
+    try:
+        storage = make_storage(url)  # also exercises postgresql:// → the installed driver
+        killed = _wait_mid_trial(storage, name, procs[0], tmp_path, "w0")
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        for i, p in enumerate(procs[1:], 1):
+            assert p.wait(timeout=240) == 0, _log(tmp_path, f"w{i}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "".join(_log(tmp_path, f"w{i}") for i in range(3))
+    assert "Traceback" not in logs and PASSWORD not in logs
+
+    study = optuna.load_study(study_name=name, storage=storage)
+    all_trials = study.trials
+    assert [t.number for t in all_trials] == list(range(len(all_trials)))  # no duplicate numbers
+    assert not [t.number for t in all_trials if t.state == TS.RUNNING]
+    assert sum(t.state == TS.COMPLETE for t in all_trials) >= trials
+    assert all_trials[killed.number].state == TS.FAIL
+    retries = [t for t in all_trials if t.system_attrs.get("failed_trial") == killed.number]
+    assert len(retries) == 1 and retries[0].state == TS.COMPLETE
+    assert retries[0].system_attrs["retry_history"] == [killed.number]
+    assert retries[0].params == all_trials[killed.number].params
+    for t in all_trials:  # every trial accounted for
+        assert t.state in (TS.COMPLETE, TS.WAITING) or any(
+            r.system_attrs.get("failed_trial") == t.number for r in all_trials
+        ), (t.number, t.state, t.user_attrs.get("fail_reason"))
+    assert len({t.user_attrs.get("worker") for t in all_trials}) >= 2  # the victim and a survivor
+    assert PASSWORD not in json.dumps([study.user_attrs, *[t.user_attrs for t in all_trials]], default=str)
+
+    capsys.readouterr()
+    profile_path = tmp_path / "profile.json"
+    assert main(["export", "--storage", url, "--study-name", name, "--out", str(profile_path)]) == 0
+    printed = capsys.readouterr()
+    assert PASSWORD not in printed.out + printed.err
+    profile = load_profile(profile_path)  # schema-valid
+    assert profile["provenance"]["study"] == name and PASSWORD not in profile_path.read_text()
+    if backend == "postgresql":
+        assert profile["provenance"]["storage"].startswith("postgresql://postgres:***@127.0.0.1:")
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_finished_trials_and_a_failing_trial_fails_alone(
+    tiny_dirs, tmp_path, monkeypatch, caplog
+):
+    """SIGINT mid-trial: exit 130, finished trials kept, the running one FAIL with its reason (not RUNNING), the
+    best so far exports. Re-running resumes, and there a trial that raises, or measures NaN, fails alone."""
+    out, trials = tmp_path / "run", 5
+    url = f"sqlite:///{out / 'study.db'}"
+    out.mkdir()
+    proc = _start(_search_argv(tiny_dirs, url, "run", out, trials), tmp_path, "search", delay=1.0)
+    try:
+        storage = make_storage(url)
+        hit = _wait_mid_trial(storage, "run", proc, tmp_path, "search", need_complete=2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = _log(tmp_path, "search")
+    assert "Traceback" not in err and "interrupted" in err and "re-run the same command to resume" in err
+    before = optuna.load_study(study_name="run", storage=storage).trials
+    assert not [t for t in before if t.state == TS.RUNNING]
+    assert before[hit.number].state == TS.FAIL
+    assert "interrupted" in before[hit.number].user_attrs["fail_reason"]
+    kept = [t.number for t in before if t.state == TS.COMPLETE]
+    assert len(kept) >= 2
+    best = tmp_path / "best.json"
+    assert main(["export", "--storage", url, "--study-name", "run", "--out", str(best)]) == 0
+    load_profile(best)
+
+    # Resume in this process, where one trial raises and another measures NaN: each fails with its reason.
+    calls = {"simulate": 0, "measure": 0}
+    simulate, measure = replay.simulate, search_run.measure
+
+    def flaky_simulate(*a, **k):
+        calls["simulate"] += 1
+        if calls["simulate"] == 1:
+            raise ZeroDivisionError("boom in replay")
+        return simulate(*a, **k)
+
+    def nan_measure(*a, **k):
+        calls["measure"] += 1
+        m = measure(*a, **k)
+        if calls["measure"] == 1:
+            m.speedup = float("nan")
+        return m
+
+    monkeypatch.setattr(replay, "simulate", flaky_simulate)
+    monkeypatch.setattr(search_run, "measure", nan_measure)
+    target, draft = tiny_dirs
+    settings = SearchSettings(
+        model=target, draft=draft, dtype="float32", device="cpu", prompts=4, trials=trials, space="smoke",
+        max_new_tokens=8, min_fidelity=0.05, storage=url, study_name="run", out=str(out), progress=False,
+    )  # fmt: skip
+    summary = run_search(settings)
+    assert load_profile(summary["profile"])["provenance"]["study"] == "run"
+    after = optuna.load_study(study_name="run", storage=storage).trials
+    assert [t.number for t in after if t.state == TS.COMPLETE][: len(kept)] == kept  # nothing lost
+    assert sum(t.state == TS.COMPLETE for t in after) == trials
+    assert not [t for t in after if t.state == TS.RUNNING]
+    reasons = [t.user_attrs.get("fail_reason", "") for t in after[len(before) :] if t.state == TS.FAIL]
+    assert len(reasons) == 2
+    assert any("ZeroDivisionError: boom in replay" in r for r in reasons)
+    assert any("non-finite" in r for r in reasons)
+    assert sum("failed:" in r.getMessage() for r in caplog.records) == 2  # one warning line per failed trial
+
+
+def _tiny_study() -> optuna.Study:
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    study.optimize(lambda t: (t.suggest_float("x", 0.5, 2.0), 1.0), n_trials=3)
+    return study
+
+
+@pytest.mark.parametrize("what", ["profile", "dashboard"])
+def test_a_write_interrupted_half_way_leaves_the_old_file(what, tmp_path, monkeypatch):
+    """Ctrl-C after the bytes are written but before the rename: the old file stays whole, no temp file."""
+    path = tmp_path / f"{what}.out"
+    if what == "dashboard":
+        study = _tiny_study()
+        write = lambda: build_dashboard(study, path)  # noqa: E731
+    else:
+        write = lambda: write_profile(path, make_profile())  # noqa: E731
+    write()
+    before = path.read_bytes()
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fsutil.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write()
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_stalled_worker_whose_trial_was_taken_over_carries_on(tmp_path, caplog):
+    """A worker paused past the grace period finds its trial failed (and re-queued) by another: it drops that
+    result and goes on instead of crashing on Optuna's UpdateFinishedTrialError."""
+    study = search_run.open_study(f"sqlite:///{tmp_path / 'study.db'}", "s", seed=0, min_fidelity=0.5)
+    calls = []
+
+    def objective(trial):
+        calls.append(trial.number)
+        if len(calls) == 1:  # what fail_stale_trials in another worker does to a stale trial
+            study._storage.set_trial_state_values(trial._trial_id, state=TS.FAIL)
+        return trial.suggest_float("x", 0.5, 2.0), 1.0
+
+    search_run._optimize(study, objective, SearchSettings(model="unused", trials=2, progress=False))
+    assert [t.state for t in study.trials] == [TS.FAIL, TS.COMPLETE, TS.COMPLETE]
+    assert any("taken over" in r.getMessage() for r in caplog.records)
