@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from .. import models, prompts
 from ..decoding.decoder import DecodeConfig, Decoder
 from ..errors import UserError
+from ..fidelity import agreement, greedy_agreement
 from ..profile import calibration_fingerprint, redact_url
 from ..routing import SkipSet
 from . import costmodel, replay
@@ -75,16 +76,11 @@ def trial_decode_config(cfg: spaces.TrialConfig) -> DecodeConfig:
     )
 
 
-def agreement(out: list[int], ref: list[int]) -> float:
-    """Share of positions where the output equals the target's greedy output (over the longer of the two)."""
-    n = max(len(out), len(ref))
-    return sum(a == b for a, b in zip(out, ref, strict=False)) / n if n else 1.0
-
-
 @dataclass
 class Measurement:
     speedup: float
-    fidelity: float
+    fidelity: float  # greedy agreement: share of emitted tokens the target would have picked (fidelity.py)
+    agreement: float  # position-wise agreement with the target's decoded greedy output
     exact: float
     acceptance: float
     tier_shares: dict
@@ -108,7 +104,7 @@ def measure(
     base = Decoder(target, tokenizer, baseline or DecodeConfig(mode="ar"), draft=draft)
     t_cfg = t_base = 0.0
     tokens = base_tokens = full_calls = 0
-    fid, exact = [], []
+    fid, pos, exact = [], [], []
     tiers = dict.fromkeys(("direct", "slim", "full"), 0)
     times = dict.fromkeys(("draft", "slim", "full"), 0.0)
     for i, ref in enumerate(refs):
@@ -123,7 +119,8 @@ def measure(
             t_cfg += s.wall_time_s
             tokens += s.new_tokens
             full_calls += s.full_calls
-            fid.append(agreement(r.token_ids, ref.output))
+            fid.append(greedy_agreement(target, ref.prompt_ids, r.token_ids))  # untimed
+            pos.append(agreement(r.token_ids, ref.output))
             exact.append(float(r.token_ids == ref.output))
             for k in tiers:
                 tiers[k] += getattr(s, f"tokens_{k}")
@@ -134,6 +131,7 @@ def measure(
     return Measurement(
         speedup=speedup,
         fidelity=statistics.fmean(fid),
+        agreement=statistics.fmean(pos),
         exact=statistics.fmean(exact),
         acceptance=tokens / full_calls if full_calls else float(tokens),
         tier_shares={k: v / max(tokens, 1) for k, v in tiers.items()},
@@ -354,6 +352,7 @@ def run_search(s: SearchSettings) -> dict:
             raise RuntimeError("non-finite measurement (the skip set may produce NaNs)")
         trial.set_user_attr("measured", True)
         trial.set_user_attr("fidelity", m.fidelity)
+        trial.set_user_attr("agreement", m.agreement)
         trial.set_user_attr("exact_match", m.exact)
         trial.set_user_attr("feasible", m.fidelity >= s.min_fidelity)
         trial.set_constraint("fidelity", s.min_fidelity - m.fidelity)
@@ -395,6 +394,7 @@ def run_search(s: SearchSettings) -> dict:
             "speedup_vs_sd": vs_sd.speedup,
             "acceptance": m.acceptance,
             "fidelity": m.fidelity,
+            "agreement": m.agreement,
             "exact_match": m.exact,
             "tier_shares": m.tier_shares,
             "tier_time_s": m.tier_time_s,
