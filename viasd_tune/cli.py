@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .search.cli import add_search_commands
 
     add_search_commands(sub, _add_model_args)
+    from .bench import add_bench_command
+
+    add_bench_command(sub, _add_model_args)
     return parser
 
 
