@@ -134,3 +134,16 @@ def test_missing_model_path_is_one_line(capsys):
     rc = main(["generate", "--model", "/no/such/model", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert rc == 2 and "does not exist" in err and err.count("\n") == 1
+
+
+def test_presets_fill_model_and_draft_unless_given():
+    from viasd_tune.cli import apply_preset, build_parser
+
+    args = build_parser().parse_args(["search", "--preset", "qwen-coder"])
+    apply_preset(args)
+    assert (args.model, args.draft) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+    args = build_parser().parse_args(["generate", "--preset", "qwen-coder", "--model", "m", "--prompt", "x"])
+    apply_preset(args)
+    assert (args.model, args.draft) == ("m", "qwen2.5-coder-0.5b")
+    with pytest.raises(SystemExit):  # argparse: unknown choice, exit 2 with its usage line
+        build_parser().parse_args(["bench", "--preset", "nope", "--out", "x"])

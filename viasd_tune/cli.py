@@ -15,9 +15,20 @@ import sys
 from .errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m"
+# Named model pairs (packaged checkpoints, see fetch.py): target, draft (None: self-draft / prompt lookup).
+PRESETS = {
+    "smollm2": ("smollm2-135m", None),
+    "qwen-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),  # same tokenizer: the reference pair
+}
 
 
 def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="named model pair: "
+        + "; ".join(f"{k} = {t} + {d or 'no draft'}" for k, (t, d) in PRESETS.items()),
+    )
     p.add_argument(
         "--model", help=f"target: packaged name, local dir, .gguf file or hub id (default {DEFAULT_MODEL})"
     )
@@ -157,9 +168,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fill --model/--draft from --preset; explicit --model/--draft win."""
+    preset = getattr(args, "preset", None)
+    if preset:
+        target, draft = PRESETS[preset]
+        args.model = args.model or target
+        if hasattr(args, "draft"):
+            args.draft = args.draft or draft
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_preset(args)
     logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING, format="%(message)s")
     if not args.debug:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
