@@ -69,6 +69,11 @@ def test_shipped_spaces_load() -> None:
     assert smoke.gamma == (2, 3) and smoke.drafter == ("model", "lookup")
     assert smoke.skip.budget is not None and smoke.skip.budget.high == 0.3
     assert smoke.self_draft_skip_fraction is None
+    # the one-drafter variants differ from default in the drafter list only
+    for name, drafter in (("model-draft", ("model",)), ("lookup", ("lookup",))):
+        variant = load_space(name)
+        assert variant.drafter == drafter
+        assert variant.skip == default.skip and variant.tau_escalate == default.tau_escalate
 
 
 def test_path_loads_same_content_as_name(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ SUBLAYERS = ("attn", "mlp")
 KL_KINDS = ("forward", "reverse", "js")
 DRAFTERS = ("model", "self", "lookup")
 ENCODINGS = ("budget", "per_sublayer")
-SHIPPED = ("default", "smoke")
+SHIPPED = ("default", "smoke", "model-draft", "lookup")
 # Bump when the params -> TrialConfig mapping changes, so a study made with the old mapping is refused.
 DECODING_VERSION = 1
 
