@@ -333,3 +333,23 @@ def test_package_versions_and_fingerprint() -> None:
     assert len(a) == 64 and a == calibration_fingerprint([("a", "bc")])
     assert a != calibration_fingerprint([("ab", "c")])  # no separator collisions
     assert a != calibration_fingerprint([("a", "bd")])
+
+
+@pytest.mark.parametrize("spec", ["packaged", "hub", "gguf", "local"])
+def test_every_source_kind_the_loader_records_validates(spec, tmp_path, monkeypatch):
+    """The fingerprint's source is whatever models._resolve_source returns; the schema must accept each kind
+    (a packaged source once carried a `name` the schema refused, failing the export at the end of a search)."""
+    from viasd_tune import fetch, models
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(fetch, "fetch_packaged", lambda name: gguf)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "model.safetensors").write_bytes(b"w")
+    arg = {"packaged": "smollm2-135m", "hub": "org/model", "gguf": str(gguf), "local": str(tmp_path / "dir")}[
+        spec
+    ]
+    _, source = models._resolve_source(arg)
+    profile = make_profile()
+    profile["target"]["fingerprint"]["source"] = source
+    validate_profile(profile)
