@@ -147,3 +147,22 @@ def test_presets_fill_model_and_draft_unless_given():
     assert (args.model, args.draft) == ("m", "qwen2.5-coder-0.5b")
     with pytest.raises(SystemExit):  # argparse: unknown choice, exit 2 with its usage line
         build_parser().parse_args(["bench", "--preset", "nope", "--out", "x"])
+
+
+@pytest.mark.parametrize(
+    "points, expected",
+    [
+        ([(0.94, 1.29), (0.65, 1.35), (0.56, 1.33)], 0),  # a small acceptance gain does not buy a 30 % slowdown
+        ([(1.0, 2.0), (0.95, 4.0), (0.5, 4.2)], 1),  # the balanced point
+        ([(1.2, 3.0)], 0),
+    ],
+)
+def test_knee_weighs_relative_shortfalls(points, expected):
+    from viasd_tune.search.export import knee, pareto_front
+
+    dist = {"a": optuna.distributions.FloatDistribution(0, 1)}
+    trials = [
+        optuna.trial.create_trial(values=list(v), params={"a": 0.5}, distributions=dist, user_attrs={"i": i})
+        for i, v in enumerate(points)
+    ]
+    assert knee(pareto_front(trials)).user_attrs["i"] == expected

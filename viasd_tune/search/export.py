@@ -37,12 +37,14 @@ def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.Fr
 
 
 def knee(front: list[optuna.trial.FrozenTrial]) -> optuna.trial.FrozenTrial:
-    """The front point closest to the ideal corner after scaling each objective to [0, 1] over the front."""
-    lo = [min(t.values[i] for t in front) for i in range(2)]
-    hi = [max(t.values[i] for t in front) for i in range(2)]
+    """The front point closest to the ideal corner, each objective measured as its relative shortfall from
+    the front's best (1 - value / best). Relative, not min-max scaling: on a front whose acceptances span
+    1.29–1.35 and speedups 0.65–0.94×, min-max scaling made a 5 % acceptance gain weigh as much as a 30 %
+    speed loss and exported the slow point."""
+    best = [max(t.values[i] for t in front) for i in range(2)]
 
     def gap(t) -> float:
-        return sum(((hi[i] - t.values[i]) / (hi[i] - lo[i] or 1.0)) ** 2 for i in range(2))
+        return sum((1 - t.values[i] / best[i]) ** 2 for i in range(2) if best[i] > 0)
 
     return min(front, key=gap)
 
