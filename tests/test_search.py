@@ -18,8 +18,20 @@ TRIALS = 6
 
 def settings(tiny_dirs, out, **kw) -> SearchSettings:
     target, draft = tiny_dirs
-    base = dict(model=target, draft=draft, dtype="float32", device="cpu", data="builtin", prompts=8, trials=TRIALS,
-                space="smoke", max_new_tokens=10, out=str(out), min_fidelity=0.5, progress=False)
+    base = dict(
+        model=target,
+        draft=draft,
+        dtype="float32",
+        device="cpu",
+        data="builtin",
+        prompts=8,
+        trials=TRIALS,
+        space="smoke",
+        max_new_tokens=10,
+        out=str(out),
+        min_fidelity=0.5,
+        progress=False,
+    )
     return SearchSettings(**{**base, **kw})
 
 
@@ -43,7 +55,14 @@ def test_search_exports_a_valid_profile(searched):
     # the enqueued reference points ran first: no-skip VIA-SD, then plain SD
     assert study.trials[1].user_attrs["config"]["tau_escalate"] == 0.0
     for t in complete:
-        assert {"config", "fidelity", "feasible", "tier_shares", "speedup_modelled", "measured"} <= t.user_attrs.keys()
+        assert {
+            "config",
+            "fidelity",
+            "feasible",
+            "tier_shares",
+            "speedup_modelled",
+            "measured",
+        } <= t.user_attrs.keys()
         assert list(t.constraints.values()) == [pytest.approx(0.5 - t.user_attrs["fidelity"])]
 
 
@@ -79,10 +98,23 @@ def test_resume_adds_no_trials_and_export_cli(searched, tiny_dirs, tmp_path, cap
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
     assert len(study.trials) == TRIALS
     target = tmp_path / "fastest.json"
-    rc = main(["export", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", "tiny", "--pick", "fastest",
-               "--out", str(target)])
+    rc = main(
+        [
+            "export",
+            "--storage",
+            f"sqlite:///{out / 'study.db'}",
+            "--study-name",
+            "tiny",
+            "--pick",
+            "fastest",
+            "--out",
+            str(target),
+        ]
+    )
     assert rc == 0 and load_profile(target)["schema_version"] == 1
-    rc = main(["export", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", "nope", "--out", str(target)])
+    rc = main(
+        ["export", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", "nope", "--out", str(target)]
+    )
     assert rc == 2 and "no study 'nope'" in capsys.readouterr().err
 
 
@@ -94,9 +126,34 @@ def test_a_different_space_is_refused(searched, tiny_dirs):
 
 def test_two_workers_share_one_study(tiny_dirs, tmp_path):
     out = tmp_path / "pair"
-    rc = main(["search", "--model", tiny_dirs[0], "--draft", tiny_dirs[1], "--dtype", "float32", "--device", "cpu",
-               "--prompts", "6", "--trials", "6", "--space", "smoke", "--max-new-tokens", "8", "--out", str(out),
-               "--min-fidelity", "0.5", "--n-jobs", "2", "--no-progress"])
+    rc = main(
+        [
+            "search",
+            "--model",
+            tiny_dirs[0],
+            "--draft",
+            tiny_dirs[1],
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--prompts",
+            "6",
+            "--trials",
+            "6",
+            "--space",
+            "smoke",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+            "--min-fidelity",
+            "0.5",
+            "--n-jobs",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     study = optuna.load_study(study_name="pair", storage=f"sqlite:///{out / 'study.db'}")
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -106,9 +163,34 @@ def test_two_workers_share_one_study(tiny_dirs, tmp_path):
 
 
 def test_generate_cli_json(tiny_dirs, capsys):
-    rc = main(["generate", "--model", tiny_dirs[0], "--draft", tiny_dirs[1], "--dtype", "float32", "--prompt", "hi",
-               "--mode", "viasd", "--gamma", "3", "--skip-attn", "2", "--skip-mlp", "1", "--tau-accept", "0.01",
-               "--tau-escalate", "1.0", "--max-new-tokens", "9", "--json"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            tiny_dirs[0],
+            "--draft",
+            tiny_dirs[1],
+            "--dtype",
+            "float32",
+            "--prompt",
+            "hi",
+            "--mode",
+            "viasd",
+            "--gamma",
+            "3",
+            "--skip-attn",
+            "2",
+            "--skip-mlp",
+            "1",
+            "--tau-accept",
+            "0.01",
+            "--tau-escalate",
+            "1.0",
+            "--max-new-tokens",
+            "9",
+            "--json",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == out["stats"]["new_tokens"] == 9 and isinstance(out["text"], str)
@@ -152,7 +234,10 @@ def test_presets_fill_model_and_draft_unless_given():
 @pytest.mark.parametrize(
     "points, expected",
     [
-        ([(0.94, 1.29), (0.65, 1.35), (0.56, 1.33)], 0),  # a small acceptance gain does not buy a 30 % slowdown
+        (
+            [(0.94, 1.29), (0.65, 1.35), (0.56, 1.33)],
+            0,
+        ),  # a small acceptance gain does not buy a 30 % slowdown
         ([(1.0, 2.0), (0.95, 4.0), (0.5, 4.2)], 1),  # the balanced point
         ([(1.2, 3.0)], 0),
     ],
@@ -166,3 +251,14 @@ def test_knee_weighs_relative_shortfalls(points, expected):
         for i, v in enumerate(points)
     ]
     assert knee(pareto_front(trials)).user_attrs["i"] == expected
+
+
+def test_acceptance_counts_slim_forwards_at_their_cost():
+    from viasd_tune.search.replay import acceptance
+
+    assert acceptance(30, full_calls=10, slim_calls=0, slim_cost=1.0) == 3.0  # plain SD: tokens per full call
+    assert (
+        acceptance(30, full_calls=2, slim_calls=8, slim_cost=1.0) == 3.0
+    )  # a no-skip slim pass is a full one
+    assert acceptance(30, full_calls=2, slim_calls=8, slim_cost=0.5) == 5.0
+    assert acceptance(7, full_calls=0, slim_calls=0, slim_cost=1.0) == 7.0

@@ -159,7 +159,7 @@ def _hover(p: _Point, min_fidelity: float | None) -> str:
     fid = _num(p.fidelity, ".4f") + (f" (min {min_fidelity:g})" if min_fidelity is not None else "")
     lines = [
         f"<b>trial #{p.number}</b> ({status})",
-        f"speedup {p.speedup:.3f}× · acceptance {p.acceptance:.3f} tok/full call",
+        f"speedup {p.speedup:.3f}× · acceptance {p.acceptance:.3f} tok/full-equivalent call",
         f"fidelity {fid}",
     ]
     if _finite(ua.get("speedup_modelled")):

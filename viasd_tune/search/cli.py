@@ -102,7 +102,7 @@ def print_summary(summary: dict) -> None:
         f"tau_escalate {c['tau_escalate']:.3g}, kl {c['kl']}, gamma {c['gamma']}, drafter {c['drafter']}\n"
         f"  {m.get('evaluated_on')} ({m.get('held_out_prompts', 0)} prompts): speedup vs AR "
         f"{m['speedup_measured']:.2f}x (modelled {m.get('speedup_modelled') or 0:.2f}x), vs SD {vs_sd}, "
-        f"acceptance {m['acceptance']:.2f} tok/full call, fidelity {m['fidelity']:.3f}\n"
+        f"acceptance {m['acceptance']:.2f} tok/full-equivalent call, fidelity {m['fidelity']:.3f}\n"
         f"  tier shares: "
         + ", ".join(f"{k} {v:.0%}" for k, v in m["tier_shares"].items())
         + (f"\n  dashboard: {summary['dashboard']}" if summary.get("dashboard") else "")

@@ -28,7 +28,7 @@ from ..decoding.decoder import DecodeConfig, Decoder
 from ..errors import UserError
 from ..fidelity import agreement, greedy_agreement
 from ..profile import calibration_fingerprint, redact_url
-from ..routing import SkipSet
+from ..routing import SkipSet, install_skipping, num_layers
 from . import costmodel, replay
 from . import space as spaces
 from .export import export_study
@@ -103,7 +103,8 @@ def measure(
     dec = Decoder(target, tokenizer, config, draft=draft)
     base = Decoder(target, tokenizer, baseline or DecodeConfig(mode="ar"), draft=draft)
     t_cfg = t_base = 0.0
-    tokens = base_tokens = full_calls = 0
+    tokens = base_tokens = full_calls = slim_calls = 0
+    n_layers = num_layers(target)
     fid, pos, exact = [], [], []
     tiers = dict.fromkeys(("direct", "slim", "full"), 0)
     times = dict.fromkeys(("draft", "slim", "full"), 0.0)
@@ -119,6 +120,7 @@ def measure(
             t_cfg += s.wall_time_s
             tokens += s.new_tokens
             full_calls += s.full_calls
+            slim_calls += s.slim_calls
             fid.append(greedy_agreement(target, ref.prompt_ids, r.token_ids))  # untimed
             pos.append(agreement(r.token_ids, ref.output))
             exact.append(float(r.token_ids == ref.output))
@@ -133,7 +135,7 @@ def measure(
         fidelity=statistics.fmean(fid),
         agreement=statistics.fmean(pos),
         exact=statistics.fmean(exact),
-        acceptance=tokens / full_calls if full_calls else float(tokens),
+        acceptance=replay.acceptance(tokens, full_calls, slim_calls, 1.0 - config.skip.fraction(n_layers)),
         tier_shares={k: v / max(tokens, 1) for k, v in tiers.items()},
         tier_time_s=times,
         tokens_per_s=tokens / t_cfg if t_cfg else 0.0,
@@ -263,8 +265,6 @@ def run_search(s: SearchSettings) -> dict:
     if s.draft:
         draft = models.load(s.draft, s.dtype, s.device, s.trust_remote_code)
         models.check_same_tokenizer(target, draft)
-    from ..routing import install_skipping, num_layers
-
     n_layers = num_layers(target.model)
     install_skipping(target.model)
     drafters = ["self", "lookup"] + (["model"] if draft else [])
