@@ -829,17 +829,6 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _figure_html(fig, key: str, first: bool) -> str:
-    return fig.to_html(
-        full_html=False,
-        include_plotlyjs=first,  # True embeds plotly.js inline: the page opens offline, nothing is fetched
-        include_mathjax=False,
-        div_id=f"viasd-bench-{key}",
-        config={"responsive": True, "displaylogo": False},
-        default_width="100%",
-    )
-
-
 _PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974")
 
 
@@ -980,6 +969,8 @@ th { background: #f3f3f3; } li, p { font-size: 0.9rem; overflow-wrap: anywhere; 
 
 def render_html(result: dict, markdown: str) -> str:
     """One offline page: speedup per task group, fidelity vs speedup, then the report's text and tables."""
+    from .dashboard import figure_html
+
     figs = [
         ("groups", "Speedup vs hf per task group", _fig_groups(result["summary"])),
         ("fidelity", "Fidelity vs speedup", _fig_fidelity(result["summary"])),
@@ -990,7 +981,7 @@ def render_html(result: dict, markdown: str) -> str:
     body = [head, facts]
     for n, (key, title, fig) in enumerate(figs):
         body.append(f"<h2>{html.escape(title)}</h2>")
-        body.append(f"<div class='figure'>{_figure_html(fig, key, n == 0)}</div>")
+        body.append(f"<div class='figure'>{figure_html(fig, 'viasd-bench-' + key, n == 0)}</div>")
     body += ["<h2>Tables</h2>", "<table>" + tables]
     return f"""<!DOCTYPE html>
 <html lang="en">

@@ -715,12 +715,13 @@ def _header_rows(
     return rows
 
 
-def _figure_html(fig: go.Figure, key: str, first: bool) -> str:
+def figure_html(fig: go.Figure, div_id: str, first: bool) -> str:
+    """One figure as an HTML fragment; the page's first figure carries plotly.js, so the page opens offline."""
     return fig.to_html(
         full_html=False,
         include_plotlyjs=first,  # True embeds plotly.js inline (never a CDN link)
         include_mathjax=False,
-        div_id=f"{FIG_ID_PREFIX}{key}",
+        div_id=div_id,
         config=_PLOTLY_CONFIG,
         default_width="100%",
     )
@@ -825,7 +826,7 @@ def build_dashboard(
             body.append(f'<p class="note">{caption}</p>')
         else:
             body.append(f'<p class="caption">{caption}</p>')
-            body.append(f'<div class="figure">{_figure_html(figure, key, first)}</div>')
+            body.append(f'<div class="figure">{figure_html(figure, FIG_ID_PREFIX + key, first)}</div>')
             first = False
         body.append("</section>")
     facts = "\n".join(
