@@ -1033,19 +1033,6 @@ def load_models(
     return target, draft
 
 
-def encode(items: list[prompts.Prompt], target: models.LoadedModel, s: BenchSettings) -> list[torch.Tensor]:
-    """Token ids per prompt (chat template per --chat), checked against the context window."""
-    import torch
-
-    ctx = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 20)
-    out = []
-    for p in items:
-        ids = prompts.encode_prompt(target.tokenizer, p.text, s.chat)
-        prompts.check_fits(len(ids), s.max_new_tokens, ctx, p.id)
-        out.append(torch.tensor(ids, dtype=torch.long, device=target.model.device))
-    return out
-
-
 def run_bench(s: BenchSettings) -> dict:
     """Run the benchmark and write DIR/bench.{json,md,html}; returns the result (also what bench.json holds)."""
     from . import models
@@ -1068,7 +1055,14 @@ def run_bench(s: BenchSettings) -> dict:
     gamma, gamma_source = resolve_gamma(s, profiles)
     eos = models.eos_ids(target.model, target.tokenizer)
     methods = build_methods(names, target, draft, profiles, gamma, eos)
-    encoded = encode(items, target, s)
+    encoded = prompts.encode_all(
+        target.tokenizer,
+        items,
+        s.chat,
+        s.max_new_tokens,
+        models.context_length(target.model),
+        target.model.device,
+    )
     device = target.model.device
     machine = machine_info(device)
 

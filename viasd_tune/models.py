@@ -56,6 +56,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+def context_length(model: nn.Module) -> int:
+    """The model's context window in tokens (a very large number when its config does not say)."""
+    return int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 1 << 20)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("VIASD_TUNE_CACHE", Path.home() / ".cache" / "viasd-tune"))
 

@@ -282,6 +282,20 @@ def encode_prompt(tokenizer: Any, text: str, chat: str = "auto") -> list[int]:
     return [int(t) for t in ids]
 
 
+def encode_all(
+    tokenizer: Any, items: list[Prompt], chat: str, max_new_tokens: int, context_length: int, device: Any
+) -> list[Any]:
+    """Token ids (a 1-D tensor on ``device``) per prompt, each checked to fit the context window first."""
+    import torch
+
+    out = []
+    for p in items:
+        ids = encode_prompt(tokenizer, p.text, chat)
+        check_fits(len(ids), max_new_tokens, context_length, p.id)
+        out.append(torch.tensor(ids, dtype=torch.long, device=device))
+    return out
+
+
 def check_fits(n_prompt_tokens: int, max_new_tokens: int, context_length: int, prompt_id: str) -> None:
     """Fail early when a prompt plus its generation budget would overflow the model's context window."""
     if n_prompt_tokens + max_new_tokens > context_length:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..models import context_length
 from ..routing import SkipSet, install_skipping, num_layers
 from . import ar, sd, viasd
 from .common import Result, Sampling, Stats
@@ -136,8 +137,8 @@ class Decoder:
         if temperature < 0 or not 0 < top_p <= 1:
             raise UserError("temperature must be >= 0 and top_p in (0, 1]")
         ids = self.encode(prompt, chat)
-        ctx = getattr(getattr(self.target, "config", None), "max_position_embeddings", None)
-        if ctx and len(ids) + max_new_tokens > ctx:  # positions past it give garbage, not an error
+        ctx = context_length(self.target)
+        if len(ids) + max_new_tokens > ctx:  # positions past it give garbage, not an error
             raise UserError(
                 f"the prompt has {len(ids)} tokens; with max_new_tokens {max_new_tokens} that exceeds the "
                 f"model's context length {ctx}; shorten the prompt or lower --max-new-tokens"

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
-import torch
 from tqdm.auto import tqdm
 
 from .. import models, prompts
@@ -153,19 +152,6 @@ def _references(target, tokenizer, items, max_new_tokens: int, progress: bool) -
     return refs
 
 
-def _encode_all(tokenizer, items: list[prompts.Prompt], chat: str, max_new: int, ctx: int, device) -> list:
-    out = []
-    for p in items:
-        ids = prompts.encode_prompt(tokenizer, p.text, chat)
-        prompts.check_fits(len(ids), max_new, ctx, p.id)
-        out.append((p, torch.tensor(ids, dtype=torch.long, device=device)))
-    return out
-
-
-def _context_length(model) -> int:
-    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-
-
 def open_study(storage: str, name: str, seed: int, min_fidelity: float) -> optuna.Study:
     """Create or resume a two-objective study (speedup, acceptance) with fidelity as a constraint."""
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.set_constraint values
@@ -270,9 +256,13 @@ def run_search(s: SearchSettings) -> dict:
     drafters = ["self", "lookup"] + (["model"] if draft else [])
 
     dev = target.model.device
-    ctx = _context_length(target.model)
-    calib_ids = _encode_all(target.tokenizer, calib, s.chat, s.max_new_tokens, ctx, dev)
-    held_ids = _encode_all(target.tokenizer, held, s.chat, s.max_new_tokens, ctx, dev)
+    ctx = models.context_length(target.model)
+
+    def encoded(items: list[prompts.Prompt]) -> list:
+        ids = prompts.encode_all(target.tokenizer, items, s.chat, s.max_new_tokens, ctx, dev)
+        return list(zip(items, ids, strict=True))
+
+    calib_ids, held_ids = encoded(calib), encoded(held)
 
     signature = {
         "space": spaces.space_signature(space, n_layers),
