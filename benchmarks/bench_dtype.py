@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--blocks", default="1,2,4,6,8", help="block sizes (tokens per forward)")
+    p.add_argument(
+        "--blocks", default="1,2,4,6,8", help="block sizes (tokens per forward); 1 is always measured"
+    )
     p.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dtype.md"))
@@ -55,7 +57,9 @@ def timed_block(model: torch.nn.Module, cache: DynamicCache, context: int, k: in
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     dtypes = args.dtypes.split(",")
-    blocks = [int(b) for b in args.blocks.split(",")]
+    blocks = sorted(
+        {1, *(int(b) for b in args.blocks.split(","))}
+    )  # 1 = the step every ratio is taken against
     torch.manual_seed(0)
     loaded, caches = {}, {}
     prefix = torch.randint(100, 1000, (1, args.context))
