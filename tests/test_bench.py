@@ -216,6 +216,25 @@ def test_task_groups_and_numeric_references():
     assert bench.numbers_equal("72.0", "72") and not bench.numbers_equal(None, "1")
 
 
+def test_greedy_agreement_scores_each_distinct_output_once(monkeypatch):
+    calls = []
+
+    def fake(model, prompt_ids, output):  # records the call; the "agreement" identifies its input
+        calls.append((int(prompt_ids[0]), tuple(output)))
+        return float(sum(output) + 100 * int(prompt_ids[0]))
+
+    monkeypatch.setattr("viasd_tune.fidelity.greedy_agreement", fake)
+    encoded = [torch.tensor([0]), torch.tensor([1])]
+    outputs = {
+        "hf": [{"ids": [1, 2]}, {"ids": [3]}],
+        "sd": [{"ids": [1, 2]}, {"ids": [3]}],  # lossless: the same outputs
+        "viasd:x": [{"ids": [1, 5]}, {"ids": [3]}],
+    }
+    scores = bench.score_greedy_agreement(None, encoded, outputs, progress=False)
+    assert sorted(calls) == [(0, (1, 2)), (0, (1, 5)), (1, (3,))]
+    assert scores == {"hf": [3.0, 103.0], "sd": [3.0, 103.0], "viasd:x": [6.0, 103.0]}
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

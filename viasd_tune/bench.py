@@ -494,6 +494,26 @@ def run_interleaved(
     return records
 
 
+def score_greedy_agreement(
+    model: torch.nn.Module, encoded: list[torch.Tensor], outputs: dict[str, list[dict]], progress: bool
+) -> dict[str, list[float]]:
+    """Teacher-forced greedy agreement of each method's output per prompt (untimed, one target forward each).
+
+    Identical outputs are scored once: every lossless method usually repeats ``hf``'s, and on a long prompt one
+    forward over it costs as much as a whole decode.
+    """
+    from tqdm.auto import tqdm
+
+    from .fidelity import greedy_agreement
+
+    keys = sorted({(i, tuple(runs[i]["ids"])) for runs in outputs.values() for i in range(len(encoded))})
+    score = {
+        (i, ids): greedy_agreement(model, encoded[i], list(ids))
+        for i, ids in tqdm(keys, desc="fidelity", unit="output", disable=not progress, dynamic_ncols=True)
+    }
+    return {m: [score[(i, tuple(r["ids"]))] for i, r in enumerate(runs)] for m, runs in outputs.items()}
+
+
 # ------------------------------------------------------------------------------------------------ accuracy
 
 
@@ -1073,12 +1093,7 @@ def run_bench(s: BenchSettings) -> dict:
         runner.counter.remove()
     wall_s = time.perf_counter() - t_start
 
-    from .fidelity import greedy_agreement
-
-    greedy = {  # untimed: one teacher-forced target forward per (method, prompt) output of the first repeat
-        m: [greedy_agreement(target.model, encoded[i], records[m][0][i]["ids"]) for i in range(len(items))]
-        for m in names
-    }
+    greedy = score_greedy_agreement(target.model, encoded, {m: records[m][0] for m in names}, s.progress)
     tok = target.tokenizer
     texts = {
         m: [tok.decode(records[m][0][i]["ids"], skip_special_tokens=True) for i in range(len(items))]
