@@ -246,27 +246,32 @@ def test_drafters_intersection_and_errors() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "drafters", "gamma", "drafter"),
+    ("name", "drafters", "gamma", "plain_drafters"),
     [
-        ("default", ALL, 4, "model"),
-        ("default", ["self", "lookup"], 4, "self"),
-        ("smoke", ["lookup"], 3, "lookup"),
+        ("default", ALL, 4, ["model", "self", "lookup"]),
+        ("default", ["self", "lookup"], 4, ["self", "lookup"]),
+        ("smoke", ["lookup"], 3, ["lookup"]),
     ],
 )
-def test_enqueue_known_points_end_to_end(name: str, drafters: list[str], gamma: int, drafter: str) -> None:
+def test_enqueue_known_points_end_to_end(
+    name: str, drafters: list[str], gamma: int, plain_drafters: list[str]
+) -> None:
     space = load_space(name)
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=1, n_startup_trials=3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no out-of-range fixed-param warnings
         enqueue_known_points(study, space, 12, drafters)
         enqueue_known_points(study, space, 12, drafters)  # resumed study: not enqueued twice
-        assert len(study.trials) == 2
+        n_known = 1 + len(plain_drafters)
+        assert len(study.trials) == n_known
         configs: list[TrialConfig] = []
-        study.optimize(lambda t: configs.append(suggest(t, space, 12, drafters)) or 0.0, n_trials=6)
-    no_skip, plain = configs[:2]
-    draft_skip = ()
-    if drafter == "self":
-        draft_skip = tuple(evenly_spaced_skip(12, round(0.45 * 10), 1, 1))
+        study.optimize(lambda t: configs.append(suggest(t, space, 12, drafters)) or 0.0, n_trials=n_known + 4)
+    no_skip, plains = configs[0], configs[1:n_known]
+
+    def draft_skip(drafter: str) -> tuple[int, ...]:
+        return tuple(evenly_spaced_skip(12, round(0.45 * 10), 1, 1)) if drafter == "self" else ()
+
+    drafter = plain_drafters[0]
     assert no_skip == TrialConfig(
         skip_attn=(),
         skip_mlp=(),
@@ -275,11 +280,15 @@ def test_enqueue_known_points_end_to_end(name: str, drafters: list[str], gamma: 
         kl=space.kl[0],
         gamma=gamma,
         drafter=drafter,
-        draft_skip_attn=draft_skip,
-        draft_skip_mlp=draft_skip,
+        draft_skip_attn=draft_skip(drafter),
+        draft_skip_mlp=draft_skip(drafter),
     )
-    assert plain == TrialConfig((), (), 0.0, 0.0, space.kl[0], gamma, drafter, draft_skip, draft_skip)
-    assert [t.params.get("escalate_all", False) for t in study.trials[:2]] == [False, True]
+    assert plains == [
+        TrialConfig((), (), 0.0, 0.0, space.kl[0], gamma, d, draft_skip(d), draft_skip(d))
+        for d in plain_drafters
+    ]
+    escalate_all = [t.params.get("escalate_all", False) for t in study.trials[:n_known]]
+    assert escalate_all == [False] + [True] * len(plain_drafters)
     for trial, cfg in zip(study.trials, configs, strict=True):
         check_config(cfg, trial, space, 12)
 

@@ -376,30 +376,35 @@ def _enqueued_escalate_all(trial: optuna.trial.BaseTrial) -> bool:
 
 
 def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> list[dict[str, Any]]:
-    """Params of the two reference trials: VIA-SD with the least skipping the space allows (0 in the shipped
-    spaces) and mid thresholds, then plain SD. Runs the baselines early so every study can be compared."""
+    """Params of the reference trials: VIA-SD with the least skipping the space allows (0 in the shipped
+    spaces) and mid thresholds, then plain SD once per available drafter. Runs the baselines early so every
+    study can be compared, and so a cheap drafter's plain SD (prompt lookup costs no forward) is always measured
+    even when the space lists a slower drafter first."""
     layers = _eligible_layers(space, num_layers)
-    base: dict[str, Any] = {
-        "drafter": _available(space, drafters)[0],
-        "gamma": min((g for g in space.gamma if g >= 4), default=max(space.gamma)),
-    }
-    if base["drafter"] == "self":
-        assert space.self_draft_skip_fraction is not None
-        base["self_skip_frac"] = space.self_draft_skip_fraction.mid()
+    available = _available(space, drafters)
+    gamma = min((g for g in space.gamma if g >= 4), default=max(space.gamma))
+
+    def draft(drafter: str) -> dict[str, Any]:
+        params: dict[str, Any] = {"drafter": drafter, "gamma": gamma}
+        if drafter == "self":
+            assert space.self_draft_skip_fraction is not None
+            params["self_skip_frac"] = space.self_draft_skip_fraction.mid()
+        return params
+
     if space.skip.encoding == "per_sublayer":
         skip: dict[str, Any] = {f"skip_{k}_{i}": False for i, k in _slots(space, layers)}
     else:
         assert space.skip.budget is not None
         skip = {"skip_frac": space.skip.budget.low}
     no_skip = {
-        **base,
+        **draft(available[0]),
         "escalate_all": False,
         "kl": space.kl[0],
         "tau_escalate": space.tau_escalate.mid(),
         "tau_accept_ratio": space.tau_accept_ratio.mid(),
         **skip,
     }
-    return [no_skip, {**base, "escalate_all": True}]
+    return [no_skip] + [{**draft(d), "escalate_all": True} for d in available]
 
 
 def enqueue_known_points(
