@@ -57,9 +57,7 @@ def timed_block(model: torch.nn.Module, cache: DynamicCache, context: int, k: in
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     dtypes = args.dtypes.split(",")
-    blocks = sorted(
-        {1, *(int(b) for b in args.blocks.split(","))}
-    )  # 1 = the step every ratio is taken against
+    blocks = sorted({1, *(int(b) for b in args.blocks.split(","))})  # 1: the step every ratio divides by
     torch.manual_seed(0)
     loaded, caches = {}, {}
     prefix = torch.randint(100, 1000, (1, args.context))
@@ -94,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         "|---" * (1 + 2 * len(dtypes) + (len(dtypes) == 2)) + "|",
     ]
     for k in blocks:
-        cells = [f"{med[dt][k] * 1e3:.0f} | {med[dt][k] / med[dt][blocks[0]]:.2f}" for dt in dtypes]
+        cells = [f"{med[dt][k] * 1e3:.0f} | {med[dt][k] / med[dt][1]:.2f}" for dt in dtypes]
         if len(dtypes) == 2:
             cells.append(f"{med[dtypes[1]][k] / med[dtypes[0]][k]:.2f}")
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
