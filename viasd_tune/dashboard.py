@@ -25,13 +25,13 @@ from plotly.subplots import make_subplots
 
 from viasd_tune.errors import UserError
 from viasd_tune.fsutil import atomic_write_text
+from viasd_tune.page import facts_table, figure_html, page_html
 
 __all__ = ["build_dashboard", "dashboard_from_out_dir", "dashboard_from_storage"]
 
 FIG_ID_PREFIX = "viasd-fig-"
 WIDTH_PX = 1000
 TOP_IMPORTANCES = 30
-_PLOTLY_CONFIG = {"responsive": True, "displaylogo": False}
 _FIDELITY_SCALE = "Viridis"
 _SPEEDUP_SCALE = "Plasma"
 
@@ -644,23 +644,6 @@ def _fig_importances(study: optuna.Study, points: list[_Point]) -> tuple[go.Figu
 
 # --------------------------------------------------------------------------------------------------- page
 
-_CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222; margin: 0;
-       background: #fafafa; }
-main { max-width: {MAX_WIDTH}px; margin: 0 auto; padding: 16px 20px 40px; }
-h1 { font-size: 1.45rem; margin: 0.2em 0 0.4em; }
-h2 { font-size: 1.15rem; margin: 1.6em 0 0.2em; border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }
-p.caption { margin: 0.2em 0 0.6em; color: #555; font-size: 0.92rem; }
-table.facts { border-collapse: collapse; font-size: 0.93rem; }
-table.facts th { text-align: left; font-weight: 600; padding: 2px 16px 2px 0; vertical-align: top; color: #444;
-                 white-space: nowrap; }
-table.facts td { padding: 2px 0; }
-.figure { background: #fff; border: 1px solid #e5e5e5; border-radius: 4px; }
-.note { background: #fff8e1; border: 1px solid #f0d890; padding: 8px 12px; border-radius: 4px; }
-code { font-size: 0.9em; }
-""".replace("{MAX_WIDTH}", str(WIDTH_PX + 40))
-
-
 def _header_rows(
     study: optuna.Study, points: list[_Point], exported: _Point | None, wanted: int | None
 ) -> list:
@@ -713,18 +696,6 @@ def _header_rows(
     else:
         rows.append(("exported profile", "none yet"))
     return rows
-
-
-def figure_html(fig: go.Figure, div_id: str, first: bool) -> str:
-    """One figure as an HTML fragment; the page's first figure carries plotly.js, so the page opens offline."""
-    return fig.to_html(
-        full_html=False,
-        include_plotlyjs=first,  # True embeds plotly.js inline (never a CDN link)
-        include_mathjax=False,
-        div_id=div_id,
-        config=_PLOTLY_CONFIG,
-        default_width="100%",
-    )
 
 
 def build_dashboard(
@@ -829,30 +800,13 @@ def build_dashboard(
             body.append(f'<div class="figure">{figure_html(figure, FIG_ID_PREFIX + key, first)}</div>')
             first = False
         body.append("</section>")
-    facts = "\n".join(
-        f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in _header_rows(study, points, exported, exported_trial)
-    )
+    facts = facts_table(_header_rows(study, points, exported, exported_trial))
     generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    page = f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{_esc(name)}</title>
-<style>{_CSS}</style>
-</head>
-<body>
-<main>
-<h1>{_esc(name)}</h1>
-<table class="facts">
+    content = f"""<h1>{_esc(name)}</h1>
 {facts}
-</table>
 <p class="caption">Generated {generated} by viasd-tune from the study's records; opens offline.</p>
-{chr(10).join(body)}
-</main>
-</body>
-</html>
-"""
+{chr(10).join(body)}"""
+    page = page_html(name, content, max_width=WIDTH_PX + 40)
     atomic_write_text(out, page)
     return out
 
