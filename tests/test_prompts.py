@@ -16,8 +16,10 @@ from viasd_tune.prompts import (
     encode_prompt,
     final_number,
     load_prompts,
+    prompt_task_group,
     sample_prompts,
     split_calibration,
+    task_group,
 )
 
 ROWS = [
@@ -83,6 +85,14 @@ def test_data_field_override(tmp_path):
 def test_categories_filter(tmp_path):
     prompts = load_prompts(str(write_jsonl(tmp_path / "b.jsonl", ROWS)), categories=["math"])
     assert [p.id for p in prompts] == ["b:83"]
+
+
+def test_categories_filter_takes_spec_bench_task_groups(tmp_path):
+    rows = [*ROWS, {"question_id": 161, "category": "translation", "turns": ["Translate: Hallo"]}]
+    path = str(write_jsonl(tmp_path / "q.jsonl", rows))
+    assert [p.id for p in load_prompts(path, categories=["conversation"])] == ["q:81", "q:82", "q:83"]
+    assert [p.id for p in load_prompts(path, categories=["translation", "math"])] == ["q:83", "q:161"]
+    assert task_group("roleplay") == "conversation" and task_group("rag") == "rag"
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -216,6 +226,16 @@ def test_sample_keeps_every_category_and_is_proportional():
     counts = Counter(p.category for p in sample)
     assert len(sample) == 12 and set(counts) == set(SIZES)
     assert counts["big"] > counts["mid"] >= counts["small"]
+
+
+def test_sample_stratified_by_task_group():
+    """MT-bench's eight categories are one Spec-Bench group: a sample of 2 takes one of them, not two."""
+    prompts = make_prompts({"writing": 10, "coding": 10, "roleplay": 10, "translation": 3})
+    for seed in range(5):
+        sample = sample_prompts(prompts, 2, seed=seed, key=prompt_task_group)
+        assert sorted(prompt_task_group(p) for p in sample) == ["conversation", "translation"]
+    by_category = sample_prompts(prompts, 3, seed=0)
+    assert len({p.category for p in by_category}) == 3  # the default stays per raw category
 
 
 def test_sample_is_deterministic_per_seed():

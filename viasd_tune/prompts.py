@@ -11,6 +11,7 @@ import os
 import random
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -23,6 +24,14 @@ ID_COLUMNS = ("question_id", "id", "task_id")
 ANSWER_COLUMNS = ("answer", "reference")
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 CHAT_MODES = ("auto", "on", "off")
+
+# Spec-Bench's six task groups. Its "Multi-turn conversation" group is the 80 MT-bench questions, whose raw
+# categories are the eight below; the other five groups are single categories of their own.
+MT_BENCH_CATEGORIES = frozenset(
+    {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+)
+CONVERSATION = "conversation"
+SPEC_BENCH_GROUPS = (CONVERSATION, "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,8 @@ def load_prompts(
 ) -> list[Prompt]:
     """Load prompts from "builtin", "humaneval" or a local .jsonl/.json/.csv/.parquet file.
 
-    `field` overrides text-column detection; `categories` keeps only those task groups.
+    `field` overrides text-column detection; `categories` keeps only those raw categories or task groups
+    (see :func:`task_group`).
     """
     if source == "builtin":
         prompts = _load_builtin()
@@ -170,9 +180,19 @@ def _first(value: Any) -> Any:
     return value
 
 
+def task_group(category: str) -> str:
+    """Spec-Bench task group of a raw category (MT-bench's eight form ``conversation``); others are their own."""
+    return CONVERSATION if category in MT_BENCH_CATEGORIES else category
+
+
+def prompt_task_group(prompt: Prompt) -> str:
+    return task_group(prompt.category)
+
+
 def _filter_categories(prompts: list[Prompt], categories: list[str], source: str) -> list[Prompt]:
-    """Keep only the requested task groups; a misspelt name is an error, not an empty result."""
-    available = sorted({p.category for p in prompts})
+    """Keep prompts whose raw category or task group is wanted; a misspelt name is an error, not an empty result."""
+    raw = {p.category for p in prompts}
+    available = sorted(raw | {task_group(c) for c in raw})
     unknown = [c for c in categories if c not in available]
     if unknown:
         raise UserError(
@@ -180,7 +200,7 @@ def _filter_categories(prompts: list[Prompt], categories: list[str], source: str
             f"available: {', '.join(available)}"
         )
     wanted = set(categories)
-    return [p for p in prompts if p.category in wanted]
+    return [p for p in prompts if p.category in wanted or task_group(p.category) in wanted]
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -201,11 +221,13 @@ def final_number(text: str) -> str | None:
     return number.replace(",", "")
 
 
-def _by_category(prompts: list[Prompt]) -> dict[str, list[Prompt]]:
-    """Prompts grouped by category, categories in sorted order so results do not depend on input order."""
+def _by_category(
+    prompts: list[Prompt], key: Callable[[Prompt], str] | None = None
+) -> dict[str, list[Prompt]]:
+    """Prompts grouped by category (or ``key``), in sorted order so results do not depend on input order."""
     groups: dict[str, list[Prompt]] = defaultdict(list)
     for prompt in prompts:
-        groups[prompt.category].append(prompt)
+        groups[key(prompt) if key else prompt.category].append(prompt)
     return dict(sorted(groups.items()))
 
 
@@ -225,17 +247,21 @@ def _quotas(sizes: dict[str, int], k: int, rng: random.Random) -> dict[str, int]
     return quotas
 
 
-def sample_prompts(prompts: list[Prompt], k: int | None, seed: int) -> list[Prompt]:
+def sample_prompts(
+    prompts: list[Prompt], k: int | None, seed: int, key: Callable[[Prompt], str] | None = None
+) -> list[Prompt]:
     """A seeded, category-stratified subset of k prompts, so a small calibration run still sees every task.
 
-    Returns prompts in their input order; k None or >= len(prompts) returns all of them.
+    ``key`` stratifies by something else than the raw category, e.g. :func:`prompt_task_group` (Spec-Bench
+    reports per task group, and MT-bench's eight categories are one). Returns prompts in their input order;
+    k None or >= len(prompts) returns all of them.
     """
     if k is None or k >= len(prompts):
         return list(prompts)
     if k < 0:
         raise UserError(f"sample size must be non-negative, got {k}; pass a positive number of prompts")
     rng = random.Random(seed)
-    groups = _by_category(prompts)
+    groups = _by_category(prompts, key)
     quotas = _quotas({c: len(g) for c, g in groups.items()}, k, rng)
     chosen = {id(p) for c, g in groups.items() for p in rng.sample(g, quotas[c])}
     return [p for p in prompts if id(p) in chosen]
