@@ -6,17 +6,23 @@ No timing assertions: speed on a shared 2-core machine is noise at this size.
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import json
 import re
+from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 import torch
 
-from viasd_tune import bench, models
+import viasd_tune
+from viasd_tune import host, models
+from viasd_tune.bench import methods as bench_methods
+from viasd_tune.bench import scoring
 from viasd_tune.cli import main
 from viasd_tune.profile import calibration_fingerprint, package_versions, write_profile
-from viasd_tune.prompts import Prompt, load_prompts
+from viasd_tune.prompts import Prompt, load_prompts, task_group
 
 FAST = ["--max-new-tokens", "8", "--repeats", "1", "--dtype", "float32", "--device", "cpu", "--no-progress"]
 
@@ -56,6 +62,92 @@ def tiny_profile(tiny_dirs, calibration_ids: list[str]) -> dict:
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         },
     }
+
+
+# ------------------------------------------------------------------------------------------------ reading the page
+
+
+class PageReader(HTMLParser):
+    """What a reader of bench.html sees: the facts table, every table's cells per section, the headings."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.section: str | None = None
+        self.headings: list[str] = []
+        self.facts: dict[str, str] = {}
+        self.tables: dict[str, list[list[str]]] = {}  # section id (or "facts") -> rows of cell texts
+        self._table: list[list[str]] | None = None
+        self._cell: list[str] | None = None
+        self._heading: list[str] | None = None
+        self._script = False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "section":
+            self.section = a.get("id")
+        elif tag == "script":
+            self._script = True
+        elif tag == "table":
+            self._table = []
+            self.tables["facts" if "facts" in (a.get("class") or "") else self.section] = self._table
+        elif tag == "tr" and self._table is not None:
+            self._table.append([])
+        elif tag in ("td", "th") and self._table is not None:
+            self._cell = []
+        elif tag in ("h1", "h2"):
+            self._heading = []
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._script = False
+        elif tag in ("td", "th") and self._cell is not None:
+            self._table[-1].append("".join(self._cell).strip())
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+        elif tag in ("h1", "h2") and self._heading is not None:
+            self.headings.append("".join(self._heading).strip())
+            self._heading = None
+
+    def handle_data(self, data):
+        if self._script:
+            return
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._heading is not None:
+            self._heading.append(data)
+
+
+def read_page(path: Path) -> PageReader:
+    reader = PageReader()
+    reader.feed(path.read_text(encoding="utf-8"))
+    reader.facts = dict(reader.tables.get("facts", []))
+    return reader
+
+
+def plotly_figures(text: str) -> dict[str, tuple[list, dict]]:
+    """div id -> (data, layout), decoded from each ``Plotly.newPlot`` call (JSON escapes resolved)."""
+    out = {}
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r'Plotly\.newPlot\(\s*"([^"]+)",\s*', text):
+        data, end = decoder.raw_decode(text, m.end())
+        layout, _ = decoder.raw_decode(text, re.compile(r",\s*").match(text, end).end())
+        out[m.group(1)] = (data, layout)
+    return out
+
+
+def md_table(md: str, header_start: str) -> list[list[str]]:
+    """Rows (header first) of the markdown table whose header starts with ``header_start``, backticks dropped."""
+    lines = md.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[i:]:
+        if not line.startswith("|"):
+            break
+        if set(line) <= {"|", "-"}:
+            continue
+        rows.append([c.strip().strip("`") for c in line.strip().strip("|").split("|")])
+    return rows
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,9 +204,58 @@ def test_writes_three_files_with_every_method_and_group(benched):
     assert "viasd-tune bench --model" in md and "| `viasd:tinyprof` |" in md and "| math_reasoning (" in md
     page = (out / "bench.html").read_text()
     assert "viasd-bench-groups" in page and "viasd-bench-fidelity" in page
-    assert "Plotly.newPlot" in page and not re.search(
-        r"<script[^>]*\bsrc=", page
-    )  # plotly.js inline: offline
+    # plotly.js inline: offline
+    assert "Plotly.newPlot" in page and not re.search(r"<script[^>]*\bsrc=", page)
+
+
+def test_every_report_names_the_host_matrix_isa(benched):
+    out, result = benched
+    isa = host.matrix_isa("cpu")
+    assert result["meta"]["machine"]["matrix_isa"] == isa
+    md = (out / "bench.md").read_text()
+    assert f"- matrix ISA: `{isa}`" in md.split("\n\n")[1]  # in the header's facts
+    page = read_page(out / "bench.html")
+    assert page.facts["matrix ISA"].startswith(isa)
+    figures = plotly_figures((out / "bench.html").read_text())
+    assert set(figures) == {"viasd-bench-groups", "viasd-bench-fidelity"}
+    for _, layout in figures.values():
+        assert isa in layout["title"]["text"] and "float32" in layout["title"]["text"]
+
+
+def test_html_page_shows_the_markdown_tables_and_figures(benched):
+    out, result = benched
+    md = (out / "bench.md").read_text()
+    page = read_page(out / "bench.html")
+    assert page.headings[0] == "viasd-tune bench"
+    assert page.facts["command"].startswith("viasd-tune bench --model")
+    assert page.tables["summary"] == md_table(md, "| method | tok/s")
+    assert page.tables["group-speedup"] == md_table(md, "| method | math_reasoning (")
+    assert page.tables["prompts"] == md_table(md, "| prompt | task group")
+    assert [row[0] for row in page.tables["summary"][1:]] == result["meta"]["methods"]
+    figures = plotly_figures((out / "bench.html").read_text())
+    bars, _ = figures["viasd-bench-groups"]
+    assert [t["name"] for t in bars] == result["meta"]["methods"][1:]  # every method but the baseline
+    assert all(t["x"] == ["math_reasoning", "translation", "all"] for t in bars)
+    sd = next(t for t in bars if t["name"] == "sd")
+    assert sd["y"][-1] == pytest.approx(result["summary"]["sd"]["speedup_vs_hf"]["median"])
+    points, _ = figures["viasd-bench-fidelity"]
+    assert {t["name"]: t["y"][0] for t in points} == {
+        m: pytest.approx(s["agreement"]) for m, s in result["summary"].items()
+    }
+    assert sd["hovertemplate"].startswith("sd · %{x}")  # what the hover shows, escapes decoded
+
+
+def test_per_prompt_records_and_differences(benched):
+    _, result = benched
+    ids = {p["id"] for p in result["prompts"]}
+    for r in result["records"]:
+        assert r["target_tokens_fed"] >= r["target_forwards"] >= 1  # the prefill alone feeds the prompt
+        assert r["cpu_seconds"] >= 0 and r["foreign_cores"] >= 0 and r["retries"] == 0
+    for m, s in result["summary"].items():
+        differ = [i for i in ids if result["outputs"][m][i] != result["outputs"]["hf"][i]]
+        assert {d["prompt"] for d in s["diffs"]} >= set(differ), m
+        assert s["contention"]["runs"] == 4
+    assert result["summary"]["ar"]["diffs"] == []
 
 
 def test_ar_and_sd_equal_hf_greedy_in_fp32(benched):
@@ -200,20 +341,21 @@ def test_humaneval_pass_at_1_on_canned_completions():
     items = [Prompt("humaneval:HumanEval/0", "code", problem["prompt"], None, meta)]
     fenced = "Here it is:\n```python\n" + problem["prompt"] + problem["canonical_solution"] + "```\nDone."
     texts = {"right": [problem["canonical_solution"]], "fenced": [fenced], "wrong": ["    return False\n"]}
-    acc = bench.task_accuracy(items, texts)
+    acc = scoring.task_accuracy(items, texts)
     assert acc["right"]["pass@1"] == {"correct": 1, "graded": 1, "rate": 1.0}
     assert acc["fenced"]["pass@1"]["rate"] == 1.0
     assert acc["wrong"]["pass@1"]["rate"] == 0.0
     hang = "    while True:\n        pass\n"
-    assert not bench.humaneval_passed(meta, hang, timeout=0.5)  # a hanging program is killed, not waited for
+    # a hanging program is killed, not waited for
+    assert not scoring.humaneval_passed(meta, hang, timeout=0.5)
 
 
 def test_task_groups_and_numeric_references():
-    assert bench.task_group("roleplay") == "conversation" and bench.task_group("rag") == "rag"
-    assert bench.numeric_reference("He pays 200\n#### 1,000") == "1000"
-    assert bench.numeric_reference("72") == "72"
-    assert bench.numeric_reference("Pawnbrokers shine in 2014") is None  # not a numeric answer
-    assert bench.numbers_equal("72.0", "72") and not bench.numbers_equal(None, "1")
+    assert task_group("roleplay") == "conversation" and task_group("rag") == "rag"
+    assert scoring.numeric_reference("He pays 200\n#### 1,000") == "1000"
+    assert scoring.numeric_reference("72") == "72"
+    assert scoring.numeric_reference("Pawnbrokers shine in 2014") is None  # not a numeric answer
+    assert scoring.numbers_equal("72.0", "72") and not scoring.numbers_equal(None, "1")
 
 
 def test_greedy_agreement_scores_each_distinct_output_once(monkeypatch):
@@ -230,7 +372,7 @@ def test_greedy_agreement_scores_each_distinct_output_once(monkeypatch):
         "sd": [{"ids": [1, 2]}, {"ids": [3]}],  # lossless: the same outputs
         "viasd:x": [{"ids": [1, 5]}, {"ids": [3]}],
     }
-    scores = bench.score_greedy_agreement(None, encoded, outputs, progress=False)
+    scores = scoring.score_greedy_agreement(None, encoded, outputs, progress=False)
     assert sorted(calls) == [(0, (1, 2)), (0, (1, 5)), (1, (3,))]
     assert scores == {"hf": [3.0, 103.0], "sd": [3.0, 103.0], "viasd:x": [6.0, 103.0]}
 
@@ -250,3 +392,78 @@ def test_bad_input_is_one_line_and_exit_2(tiny_dirs, tmp_path, capsys, extra, me
     rc = main(["bench", "--model", tiny_dirs[0], "--out", str(tmp_path / "o"), *FAST, *extra])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_disturbed_runs_are_rerun(tiny_dirs, tmp_path, monkeypatch):
+    """A run during which other processes were busy is repeated --retries times (the warm-up never is)."""
+
+    class BusyMachine(bench_methods.CpuMeter):
+        waits = 0
+
+        def foreign_cores(self, a, b) -> float:
+            return 1.0
+
+        def wait_idle(self, max_wait_s, threshold=0.05, window_s=0.5, need=2) -> float:
+            BusyMachine.waits += 1
+            return 0.0
+
+    monkeypatch.setattr(bench_methods, "CpuMeter", BusyMachine)
+    out = tmp_path / "out"
+    argv = ["bench", "--model", tiny_dirs[0], "--data", "builtin", "--prompts", "2", "--methods", "ar"]
+    argv += ["--retries", "2", "--wait-idle", "1", "--out", str(out)]
+    assert main(argv + FAST) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert [r["retries"] for r in result["records"]] == [2] * 4  # hf and ar, 2 prompts
+    assert BusyMachine.waits == 4 * 3  # before every timed attempt, none before the 2 warm-ups
+    c = result["summary"]["ar"]["contention"]
+    assert c["disturbed_runs"] == c["runs"] == 2 and c["retries"] == 4
+    assert "--retries 2" in result["meta"]["command"]
+    assert (
+        "4 of 4 timed runs had other processes using more than 0.05 cores" in (out / "bench.md").read_text()
+    )
+
+
+def test_opt_in_hf_assisted_schedules():
+    from transformers import GenerationConfig
+
+    names, skipped = bench_methods.plan_methods(None, True, [])
+    assert names == ["hf", "ar", "hf-assisted", "hf-assisted-default", "sd"] and skipped == {}
+    names, _ = bench_methods.plan_methods(["hf-assisted-conf", "hf-assisted-heuristic"], True, [])
+    assert names == ["hf", "hf-assisted-conf", "hf-assisted-heuristic"]
+    with pytest.raises(viasd_tune.errors.UserError, match="needs a draft model"):
+        bench_methods.plan_methods(["hf-assisted-heuristic"], False, [])
+    settings = {
+        name: bench_methods.assistant_settings(bench_methods.assistant_config(name, GenerationConfig(), 4)[0])
+        for name in bench_methods.HF_ASSISTED
+    }
+    assert settings["hf-assisted"] == {
+        "num_assistant_tokens": 4,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,
+    }
+    assert settings["hf-assisted-conf"]["num_assistant_tokens"] == 4
+    assert 0 < settings["hf-assisted-conf"]["assistant_confidence_threshold"] < 1  # HF's own cut, kept
+    assert settings["hf-assisted-heuristic"]["num_assistant_tokens_schedule"] == "heuristic"
+
+
+def test_bench_and_page_do_not_import_the_cli_or_each_other():
+    """The bench package is imported by the CLI and must not import it back; the page shell imports neither
+    the dashboard nor the bench."""
+    root = Path(viasd_tune.__file__).parent
+
+    def imported(path: Path) -> set[str]:
+        package = ".".join(path.relative_to(root.parent).with_suffix("").parts[:-1])
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                mod = ".".join(x for x in (base, node.module) if x)
+                names |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+        return names
+
+    for path in sorted((root / "bench").glob("*.py")):
+        assert "viasd_tune.cli" not in imported(path), path
+        assert "viasd_tune.dashboard" not in imported(path), path
+    assert not {"viasd_tune.dashboard", "viasd_tune.bench"} & imported(root / "page.py")

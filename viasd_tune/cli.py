@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .search.cli import add_search_commands
 
     add_search_commands(sub, _add_model_args)
-    from .bench import add_bench_command
+    from .bench.cli import add_bench_command
 
-    add_bench_command(sub, _add_model_args)
+    add_bench_command(sub, _add_model_args, DEFAULT_MODEL)
     return parser
 
 

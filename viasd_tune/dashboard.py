@@ -644,6 +644,7 @@ def _fig_importances(study: optuna.Study, points: list[_Point]) -> tuple[go.Figu
 
 # --------------------------------------------------------------------------------------------------- page
 
+
 def _header_rows(
     study: optuna.Study, points: list[_Point], exported: _Point | None, wanted: int | None
 ) -> list:

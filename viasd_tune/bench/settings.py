@@ -1,0 +1,94 @@
+"""What one bench run depends on: the ``viasd-tune bench`` flags, checked before anything slow starts."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import prompts
+from ..errors import UserError
+
+
+@dataclass
+class BenchSettings:
+    """Everything one bench run depends on (the CLI flags, one to one)."""
+
+    out: str
+    data: str
+    model: str | None = None
+    draft: str | None = None
+    profiles: list[str] = field(default_factory=list)
+    data_field: str | None = None
+    categories: list[str] | None = None
+    prompts: int | None = 12
+    max_new_tokens: int = 64
+    repeats: int = 3
+    gamma: int | None = None
+    methods: list[str] | None = None
+    chat: str = "auto"
+    seed: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    warmup_tokens: int = 16
+    progress: bool = True
+    threads: int = 0  # torch.set_num_threads before loading; 0 leaves torch's default
+    wait_idle: float = 0.0  # before each timed run, wait up to this long for other processes to go idle
+    foreign_max: float = 0.05  # a run during which other processes used more cores than this is "disturbed"
+    retries: int = 0  # re-run a disturbed run at most this many times
+
+    def validate(self) -> None:
+        """Fail on bad numbers before anything slow (loading models) starts."""
+        for name, value, low in (
+            ("--repeats", self.repeats, 1),
+            ("--max-new-tokens", self.max_new_tokens, 1),
+            ("--warmup-tokens", self.warmup_tokens, 1),
+            ("--threads", self.threads, 0),
+            ("--wait-idle", self.wait_idle, 0),
+            ("--foreign-max", self.foreign_max, 0),
+            ("--retries", self.retries, 0),
+        ):
+            if value < low:
+                raise UserError(f"{name} must be at least {low} (got {value})")
+        if self.prompts is not None and self.prompts < 1:
+            raise UserError(f"--prompts must be at least 1 (got {self.prompts})")
+        if self.gamma is not None and self.gamma < 1:
+            raise UserError(
+                f"--gamma must be at least 1 (got {self.gamma}); it is the draft tokens per round"
+            )
+        if self.chat not in prompts.CHAT_MODES:
+            raise UserError(f"--chat must be one of {', '.join(prompts.CHAT_MODES)} (got {self.chat!r})")
+        out = Path(self.out)
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--out {out} is a file; give a folder for bench.json, bench.md and bench.html")
+
+
+def command_line(s: BenchSettings) -> str:
+    """An equivalent ``viasd-tune bench`` command with every setting spelled out, for the report."""
+    parts = ["viasd-tune", "bench", "--model", s.model or "?"]
+    if s.draft:
+        parts += ["--draft", s.draft]
+    for p in s.profiles:
+        parts += ["--profile", p]
+    parts += ["--data", s.data]
+    if s.data_field:
+        parts += ["--data-field", s.data_field]
+    if s.categories:
+        parts += ["--categories", ",".join(s.categories)]
+    if s.prompts is not None:
+        parts += ["--prompts", str(s.prompts)]
+    parts += ["--max-new-tokens", str(s.max_new_tokens), "--repeats", str(s.repeats)]
+    if s.gamma is not None:
+        parts += ["--gamma", str(s.gamma)]
+    if s.methods:
+        parts += ["--methods", ",".join(s.methods)]
+    parts += ["--chat", s.chat, "--seed", str(s.seed), "--dtype", s.dtype, "--device", s.device]
+    if s.threads:
+        parts += ["--threads", str(s.threads)]
+    if s.wait_idle:
+        parts += ["--wait-idle", f"{s.wait_idle:g}"]
+    if s.retries:
+        parts += ["--retries", str(s.retries), "--foreign-max", f"{s.foreign_max:g}"]
+    parts += ["--out", s.out]
+    return shlex.join(parts)
