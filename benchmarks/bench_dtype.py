@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import platform
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from viasd_tune import models
+from viasd_tune import host, models
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,12 +75,20 @@ def main(argv: list[str] | None = None) -> None:
                 times[dt][k].append(timed_block(loaded[dt], caches[dt], args.context, k))
 
     med = {dt: {k: statistics.median(v) for k, v in ks.items()} for dt, ks in times.items()}
+    machine = {  # the matrix ISA decides what a block costs; torch's capability says "AVX512" for all of them
+        "matrix_isa": host.matrix_isa("cpu"),
+        "cpu": host.cpu_name(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     lines = [
         f"# Forward cost per dtype and block size: {args.model}",
         "",
-        f"{_dt.date.today()} · {platform.processor() or platform.machine()} · {torch.get_num_threads()} threads · "
-        f"torch {torch.__version__} · CPU capability {torch.backends.cpu.get_cpu_capability()} · "
-        f"context {args.context} tokens · median of {args.repeats} interleaved repeats",
+        f"{_dt.date.today()} · matrix ISA **{machine['matrix_isa']}** · {machine['cpu']} · "
+        f"{machine['torch_threads']} threads · torch {machine['torch']} · CPU capability "
+        f"{machine['torch_cpu_capability']} · context {args.context} tokens · median of {args.repeats} "
+        "interleaved repeats",
         "",
         "`" + " ".join(["python benchmarks/bench_dtype.py", *(sys.argv[1:] if argv is None else argv)]) + "`",
         "",
@@ -101,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "seconds": times}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": vars(args), "machine": machine, "seconds": times}, indent=1)
+    )
 
 
 if __name__ == "__main__":
