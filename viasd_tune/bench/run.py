@@ -99,6 +99,8 @@ def code_version() -> dict:
 
     out = {"viasd_tune": package_versions()["viasd_tune"], "git": None}
     package = Path(__file__).resolve().parent.parent
+    if not (package.parent / ".git").exists():  # an installed copy: a repository above it is someone else's
+        return out
     try:
         head = subprocess.run(
             ["git", "-C", str(package), "rev-parse", "--short", "HEAD"],
