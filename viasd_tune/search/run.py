@@ -23,11 +23,12 @@ import optuna
 from tqdm.auto import tqdm
 
 from .. import models, prompts
-from ..decoding.decoder import DecodeConfig, Decoder
+from ..config import DecodeConfig
+from ..decoding.decoder import Decoder
 from ..errors import UserError
 from ..fidelity import agreement, greedy_agreement
 from ..profile import calibration_fingerprint, redact_url
-from ..routing import SkipSet, install_skipping, num_layers
+from ..routing import install_skipping, num_layers
 from . import costmodel, replay
 from . import space as spaces
 from .export import export_study
@@ -60,19 +61,6 @@ class SearchSettings:
     trust_remote_code: bool = False
     progress: bool = True
     worker: bool = False  # only run trials; the process that started the workers exports
-
-
-def trial_decode_config(cfg: spaces.TrialConfig) -> DecodeConfig:
-    return DecodeConfig(
-        mode="viasd",
-        gamma=cfg.gamma,
-        drafter=cfg.drafter,
-        skip=SkipSet.of(cfg.skip_attn, cfg.skip_mlp),
-        draft_skip=SkipSet.of(cfg.draft_skip_attn, cfg.draft_skip_mlp),
-        tau_accept=cfg.tau_accept,
-        tau_escalate=cfg.tau_escalate,
-        kl=cfg.kl,
-    )
 
 
 @dataclass
@@ -308,15 +296,7 @@ def run_search(s: SearchSettings) -> dict:
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         cfg = spaces.suggest(trial, space, n_layers, drafters)
         est = replay.simulate(cache, cfg)
-        modelled = ar_model_time / max(
-            cost.price(
-                est.calls,
-                SkipSet.of(cfg.skip_attn, cfg.skip_mlp),
-                SkipSet.of(cfg.draft_skip_attn, cfg.draft_skip_mlp),
-                cfg.drafter,
-            ),
-            1e-9,
-        )
+        modelled = ar_model_time / max(cost.price(est.calls, cfg.skip, cfg.draft_skip, cfg.drafter), 1e-9)
         trial.set_user_attr(
             "estimate", {"fidelity": est.fidelity, "acceptance": est.acceptance, "speedup_modelled": modelled}
         )
@@ -333,7 +313,7 @@ def run_search(s: SearchSettings) -> dict:
             target.model,
             target.tokenizer,
             draft.model if draft else None,
-            trial_decode_config(cfg),
+            cfg,
             refs,
             s.max_new_tokens,
             flip=bool(trial.number % 2),
