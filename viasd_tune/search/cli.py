@@ -109,28 +109,12 @@ def print_summary(summary: dict) -> None:
     )
 
 
-def _load_study(storage: str, name: str):
-    import optuna
-
-    from .run import make_storage
-
-    db = storage.removeprefix("sqlite:///").split("?", 1)[0] if storage.startswith("sqlite:///") else ""
-    if db not in ("", ":memory:") and not Path(db).is_file():  # SQLAlchemy would create an empty one there
-        raise UserError(f"no Optuna database at {db}; check the path (a search writes <out>/study.db)")
-    try:
-        return optuna.load_study(study_name=name, storage=make_storage(storage))
-    except KeyError:
-        names = [s.study_name for s in optuna.get_all_study_summaries(make_storage(storage))]
-        raise UserError(
-            f"no study {name!r} in that storage; studies there: {', '.join(names) or 'none'}"
-        ) from None
-
-
 def cmd_export(args) -> int:
     from ..profile import write_profile
     from .export import build_profile, pick_trial
+    from .storage import load_study
 
-    study = _load_study(args.storage, args.study_name)
+    study = load_study(args.storage, args.study_name)
     trial = pick_trial(study, args.pick)
     profile = build_profile(study, trial, study.user_attrs.get(f"held_out:{trial.number}"))
     write_profile(args.out, profile)
