@@ -1,12 +1,56 @@
-"""The search's plumbing, one of each: the storage opener."""
+"""The search's plumbing, one of each: the Pareto front (export and dashboard) and the storage opener."""
 
 from __future__ import annotations
+
+import random
 
 import optuna
 import pytest
 
+from viasd_tune import dashboard
 from viasd_tune.errors import UserError
 from viasd_tune.search import storage
+from viasd_tune.search.front import pareto_front
+
+# ------------------------------------------------------------------------------------------------ front
+
+
+def _trials(points):
+    dist = {"a": optuna.distributions.FloatDistribution(0, 1)}
+    return [
+        optuna.trial.create_trial(values=list(v), params={"a": 0.5}, distributions=dist, user_attrs={"i": i})
+        for i, v in enumerate(points)
+    ]
+
+
+def _brute_force(trials):
+    def beats(b, a):
+        return all(y >= x for x, y in zip(a.values, b.values, strict=True)) and b.values != a.values
+
+    return [t for t in trials if not any(beats(o, t) for o in trials)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_front_is_the_non_dominated_set(seed):
+    rng = random.Random(seed)
+    grid = [0.5, 1.0, 1.5, 2.0]  # a coarse grid, so ties and duplicates occur
+    trials = _trials([(rng.choice(grid), rng.choice(grid)) for _ in range(rng.randint(1, 12))])
+    front = pareto_front(trials)
+    assert sorted(t.user_attrs["i"] for t in front) == sorted(t.user_attrs["i"] for t in _brute_force(trials))
+    assert [t.values[0] for t in front] == sorted(t.values[0] for t in front)
+
+
+def test_identical_points_are_both_on_the_front_in_the_given_order():
+    front = pareto_front(_trials([(1.0, 2.0), (0.5, 1.0), (1.0, 2.0)]))
+    assert [t.user_attrs["i"] for t in front] == [0, 2]
+
+
+def test_dashboard_marks_the_same_front_the_export_writes():
+    rng = random.Random(3)
+    trials = _trials([(rng.uniform(0.5, 1.5), rng.choice([1.0, 1.5, 2.0])) for _ in range(30)])
+    points = dashboard._points(trials, None)  # no constraints recorded: every trial is feasible
+    assert {p.number for p in points if p.pareto} == {t.number for t in pareto_front(trials)}
+
 
 # ------------------------------------------------------------------------------------------------ storage
 

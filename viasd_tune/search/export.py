@@ -13,6 +13,7 @@ import optuna
 from ..config import DecodeConfig
 from ..errors import UserError
 from ..profile import SCHEMA_VERSION, package_versions, write_profile
+from .front import pareto_front
 
 log = logging.getLogger(__name__)
 PICKS = ("knee", "fastest", "most-faithful")
@@ -25,15 +26,6 @@ def feasible_measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         if t.user_attrs.get("measured") and t.user_attrs.get("feasible")
     ]
-
-
-def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    """Trials no other trial beats on both objectives (speedup, acceptance)."""
-
-    def dominated(a, b) -> bool:  # b dominates a
-        return all(y >= x for x, y in zip(a.values, b.values, strict=True)) and b.values != a.values
-
-    return sorted((t for t in trials if not any(dominated(t, o) for o in trials)), key=lambda t: t.values[0])
 
 
 def knee(front: list[optuna.trial.FrozenTrial]) -> optuna.trial.FrozenTrial:
