@@ -1,16 +1,22 @@
-"""The search's plumbing, one of each: the Pareto front (export and dashboard) and the storage opener."""
+"""The search's plumbing, one of each: the Pareto front (export and dashboard), the storage opener, and the
+worker processes (started from settings, not from the command line)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+import subprocess
+import sys
 
 import optuna
 import pytest
 
 from viasd_tune import dashboard
 from viasd_tune.errors import UserError
-from viasd_tune.search import storage
+from viasd_tune.search import storage, workers
 from viasd_tune.search.front import pareto_front
+from viasd_tune.search.run import SearchSettings
 
 # ------------------------------------------------------------------------------------------------ front
 
@@ -68,3 +74,73 @@ def test_storage_opener(tmp_path):
         storage.load_study(url, "other")
     with pytest.raises(UserError, match="'notaurl' is not a storage URL; use sqlite:///"):
         storage.make_storage("notaurl")
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+
+class _FakeProcess:
+    started: list[_FakeProcess] = []
+
+    def __init__(self, argv, stdin=None, text=False):
+        self.argv, self.written, self.closed, self.waited = argv, "", False, False
+        self.stdin = self
+        _FakeProcess.started.append(self)
+
+    def write(self, text):
+        self.written += text
+
+    def close(self):
+        self.closed = True
+
+    def wait(self):
+        self.waited = True
+
+
+def test_run_workers_passes_settings_not_argv(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(workers, "run_search", lambda s: ran.append(s) or {"summary": True})
+    monkeypatch.setattr(subprocess, "Popen", _FakeProcess)
+    monkeypatch.setattr(sys, "argv", ["something", "--else", "entirely"])  # not read
+    _FakeProcess.started.clear()
+    s = SearchSettings(
+        model="m", draft="d", trials=5, out=str(tmp_path / "run"), categories=["qa"], timeout=9.5
+    )
+    assert workers.run_workers(s, 3) == {"summary": True}
+    expected = dataclasses.replace(
+        s, storage=f"sqlite:///{(tmp_path / 'run' / 'study.db').resolve()}", study_name="run"
+    )
+    assert ran == [expected]  # this process runs and exports
+    assert len(_FakeProcess.started) == 2
+    for p in _FakeProcess.started:
+        assert p.argv == [sys.executable, "-m", "viasd_tune.search.workers"] and p.closed and p.waited
+        assert SearchSettings(**json.loads(p.written)) == dataclasses.replace(
+            expected, worker=True, progress=False
+        )
+
+
+def test_worker_main_reads_settings_from_stdin(monkeypatch, capsys):
+    import io
+
+    got = []
+    s = SearchSettings(model="m", storage="sqlite:///x.db", study_name="x", worker=True, progress=False)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(dataclasses.asdict(s))))
+    monkeypatch.setattr(workers, "run_search", got.append)
+    assert workers.main() == 0 and got == [s]
+
+    def refuse(_):
+        raise UserError("bad thing; fix it")
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(dataclasses.asdict(s))))
+    monkeypatch.setattr(workers, "run_search", refuse)
+    assert workers.main() == 2
+    assert capsys.readouterr().err == "viasd-tune worker: error: bad thing; fix it\n"
+
+
+def test_n_jobs_below_one_is_refused(capsys):
+    from viasd_tune.cli import main
+
+    for n in ("0", "-2"):
+        assert main(["search", "--n-jobs", n, "--out", "unused"]) == 2
+        err = capsys.readouterr().err
+        assert "--n-jobs must be at least 1" in err and err.count("\n") == 1

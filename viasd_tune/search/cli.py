@@ -82,6 +82,10 @@ def cmd_search(args) -> int:
     )
     if args.trials < 1:
         raise UserError("--trials must be at least 1")
+    if args.n_jobs < 1:
+        raise UserError(
+            f"--n-jobs must be at least 1 (got {args.n_jobs}); it is the worker processes to start"
+        )
     if args.n_jobs > 1:
         from .workers import run_workers
 
