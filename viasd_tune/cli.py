@@ -14,9 +14,9 @@ import sys
 
 from .config import DRAFTERS, GAMMA_MAX, KL_KINDS, MODES, DecodeConfig
 from .errors import UserError
+from .models import DEFAULT_MODEL
 from .routing import SkipSet
 
-DEFAULT_MODEL = "smollm2-135m"
 # Named model pairs (packaged checkpoints, see fetch.py): target, draft (None: self-draft / prompt lookup).
 PRESETS = {
     "smollm2": ("smollm2-135m", None),

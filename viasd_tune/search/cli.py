@@ -52,7 +52,7 @@ def add_search_commands(sub, add_model_args) -> None:
 
 
 def cmd_search(args) -> int:
-    from ..cli import DEFAULT_MODEL
+    from ..models import DEFAULT_MODEL
     from .run import SearchSettings, run_search
 
     name = args.study_name or (Path(args.out).name if args.out else "default")
