@@ -99,7 +99,7 @@ class DecodeConfig:
         if self.tau_accept > self.tau_escalate:
             raise UserError(
                 f"tau_accept ({self.tau_accept}) is above tau_escalate ({self.tau_escalate}); "
-                "tau_accept must be <= tau_escalate"
+                "tau_accept must be <= tau_escalate: lower --tau-accept or raise --tau-escalate"
             )
         _choice("kl", self.kl, KL_KINDS, "--kl")
         if not isinstance(self.recheck, bool):
@@ -216,5 +216,5 @@ def _choice(name: str, value: Any, choices: tuple[str, ...], flag: str) -> None:
 
 def _real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise UserError(f"{name} must be a number (got {value!r})")
+        raise UserError(f"{name} must be a number (got {value!r}); pass e.g. 0.5")
     return float(value)
