@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
 from conftest import VOCAB, noisy_copy, tiny_model
 
+from viasd_tune.config import DecodeConfig
 from viasd_tune.decoding.common import DIRECT, FULL, SLIM
-from viasd_tune.decoding.decoder import DecodeConfig, Decoder
+from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.errors import UserError
 from viasd_tune.routing import SkipSet
 
 ARCHS = ["llama", "qwen2", "gemma3"]
 N_NEW = 24
+NEVER = sys.float_info.max  # a threshold no divergence reaches (thresholds must be finite)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -100,7 +103,7 @@ def test_viasd_empty_skip_is_the_target(models, drafter):
             skip=SkipSet(),
             draft_skip=SkipSet.of([1, 2], [1, 2]),
             tau_accept=0.0,
-            tau_escalate=rng.choice([0.01, 0.5, 3.0, float("inf")]),
+            tau_escalate=rng.choice([0.01, 0.5, 3.0, NEVER]),
             kl=rng.choice(["forward", "js"]),
         )
         result = run(target, cfg, ids, draft=draft)
@@ -118,8 +121,8 @@ def test_viasd_infinite_thresholds_accept_every_draft(models):
                 mode="viasd",
                 gamma=gamma,
                 skip=SkipSet.of([1], [2]),
-                tau_accept=float("inf"),
-                tau_escalate=float("inf"),
+                tau_accept=NEVER,
+                tau_escalate=NEVER,
             )
             result = run(target, cfg, ids, draft=draft)
             s = result.stats
@@ -181,19 +184,20 @@ def test_eos_and_max_new_tokens_stop_mid_round(models, mode):
 def test_bad_configs_are_refused(models):
     target, draft = models
     ids = prompts(1, seed=80)[0]
-    bad = [
-        DecodeConfig(mode="viasd", gamma=0),
-        DecodeConfig(mode="viasd", tau_accept=2.0, tau_escalate=1.0),
-        DecodeConfig(mode="viasd", tau_accept=-1.0, tau_escalate=1.0),
-        DecodeConfig(mode="viasd", skip=SkipSet.of([4])),
-        DecodeConfig(mode="viasd", skip=SkipSet.of(range(4), range(4)), tau_escalate=1.0),
-        DecodeConfig(mode="viasd", kl="sideways"),
-        DecodeConfig(mode="sd", drafter="self"),
-        DecodeConfig(mode="warp"),
+    bad = [  # refused where they are built (fields) or by the decoder (the model's layer count)
+        lambda: DecodeConfig(mode="viasd", gamma=0),
+        lambda: DecodeConfig(mode="viasd", tau_accept=2.0, tau_escalate=1.0),
+        lambda: DecodeConfig(mode="viasd", tau_accept=-1.0, tau_escalate=1.0),
+        lambda: DecodeConfig(mode="viasd", skip=SkipSet.of([4])),
+        lambda: DecodeConfig(mode="viasd", skip=SkipSet.of(range(4), range(4)), tau_escalate=1.0),
+        lambda: DecodeConfig(mode="viasd", kl="sideways"),
+        lambda: DecodeConfig(mode="sd", drafter="self"),
+        lambda: DecodeConfig(mode="warp"),
+        lambda: DecodeConfig(mode="sd", draft_skip=SkipSet.of([4])),  # the draft model has 4 layers
     ]
-    for cfg in bad:
+    for make in bad:
         with pytest.raises(UserError) as err:
-            run(target, cfg, ids, draft=draft)
+            run(target, make(), ids, draft=draft)
         assert "\n" not in str(err.value)
     with pytest.raises(UserError):
         run(target, DecodeConfig(mode="sd"), ids)  # drafter 'model' without a draft model

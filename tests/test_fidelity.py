@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from conftest import tiny_model
 
-from viasd_tune.decoding.decoder import DecodeConfig, Decoder
+from viasd_tune.config import DecodeConfig
+from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.fidelity import agreement, greedy_agreement
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from viasd_tune import models
+from viasd_tune.config import DecodeConfig
 from viasd_tune.decoding.common import DIRECT, FULL, SLIM
-from viasd_tune.decoding.decoder import DecodeConfig, Decoder
+from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.errors import UserError
 from viasd_tune.routing import SkipSet
 

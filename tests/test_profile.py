@@ -247,7 +247,7 @@ def _set(p: dict[str, Any], dotted: str, value: Any) -> None:
         ("unknown_key", 1, "$"),
         ("dtype", "float64", "$.dtype"),
         ("drafter", "self", "$.drafter"),  # disagrees with draft.kind
-        ("draft.skip_attn", [1], "$.draft.skip_attn"),  # only a self drafter skips layers
+        ("draft.skip_attn", [24], "$.draft.skip_attn"),  # the draft model has 24 layers
         ("draft.name", None, "$.draft.name"),
         ("draft.fingerprint", {"architecture": "x"}, "$.draft.fingerprint"),  # a model drafter needs a name
         ("target.fingerprint.vocab_sha256", "xyz", "$.target.fingerprint.vocab_sha256"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ from conftest import VOCAB, noisy_copy, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from viasd_tune.config import DecodeConfig
 from viasd_tune.decoding.common import DIRECT, FULL, SLIM, divergence
-from viasd_tune.decoding.decoder import DecodeConfig, Decoder
+from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.routing import SkipSet, skipping
 
 LAYERS = 4
@@ -28,7 +30,7 @@ _targets = {arch: tiny_model(arch, seed=10 + i, layers=LAYERS) for i, arch in en
 MODELS = {arch: (t, noisy_copy(t, 0.15, seed=20 + i)) for i, (arch, t) in enumerate(_targets.items())}
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True)
-INF = float("inf")
+INF = sys.float_info.max  # "never": thresholds are finite, and no finite divergence exceeds this
 
 
 @pytest.fixture(autouse=True, scope="module")

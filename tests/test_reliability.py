@@ -27,7 +27,8 @@ from viasd_tune.dashboard import build_dashboard
 from viasd_tune.profile import load_profile, write_profile
 from viasd_tune.search import replay
 from viasd_tune.search import run as search_run
-from viasd_tune.search.run import SearchSettings, make_storage, run_search
+from viasd_tune.search.run import SearchSettings, run_search
+from viasd_tune.search.storage import make_storage
 
 TS = optuna.trial.TrialState
 REPO = Path(__file__).resolve().parents[1]

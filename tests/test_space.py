@@ -11,10 +11,11 @@ import optuna
 import pytest
 import yaml
 
+from viasd_tune.config import DecodeConfig
 from viasd_tune.errors import UserError
+from viasd_tune.routing import SkipSet
 from viasd_tune.search.space import (
     FloatRange,
-    TrialConfig,
     enqueue_known_points,
     evenly_spaced_skip,
     load_space,
@@ -149,32 +150,32 @@ def test_optional_sections_when_unused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- suggest
 
 
-def check_config(cfg: TrialConfig, trial: optuna.trial.FrozenTrial, space, num_layers: int) -> None:
+def check_config(cfg: DecodeConfig, trial: optuna.trial.FrozenTrial, space, num_layers: int) -> None:
     eligible = set(range(space.skip.protect_first, num_layers - space.skip.protect_last))
-    assert set(cfg.skip_attn) <= eligible and set(cfg.skip_mlp) <= eligible
-    assert list(cfg.skip_attn) == sorted(set(cfg.skip_attn))
-    assert list(cfg.skip_mlp) == sorted(set(cfg.skip_mlp))
+    assert cfg.mode == "viasd" and not cfg.recheck and cfg.draft_confidence == 0.0
+    assert cfg.skip.attn <= eligible and cfg.skip.mlp <= eligible
     assert 0.0 <= cfg.tau_accept <= cfg.tau_escalate
     assert cfg.kl in space.kl and cfg.gamma in space.gamma and cfg.drafter in space.drafter
     assert trial.user_attrs["config"] == cfg.to_dict()
+    assert DecodeConfig.from_dict(trial.user_attrs["config"]) == cfg
     params = trial.params
     if params.get("escalate_all"):
-        assert cfg.tau_escalate == 0.0 and not cfg.skip_attn and not cfg.skip_mlp
+        assert cfg.tau_escalate == 0.0 and cfg.skip.is_empty
         assert "tau_escalate" not in params and "kl" not in params
     else:
         assert space.tau_escalate.low <= cfg.tau_escalate <= space.tau_escalate.high
         assert cfg.kl == params["kl"]
     if cfg.drafter == "self":
         n = len(eligible)
-        assert len(cfg.draft_skip_attn) == round(params["self_skip_frac"] * n)
-        assert cfg.draft_skip_attn == cfg.draft_skip_mlp and set(cfg.draft_skip_attn) <= eligible
+        assert len(cfg.draft_skip.attn) == round(params["self_skip_frac"] * n)
+        assert cfg.draft_skip.attn == cfg.draft_skip.mlp and cfg.draft_skip.attn <= eligible
     else:
-        assert cfg.draft_skip_attn == cfg.draft_skip_mlp == ()
+        assert cfg.draft_skip.is_empty
 
 
 def run_study(space, num_layers: int, drafters: list[str], n_trials: int = 50, seed: int = 0):
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
-    configs: list[TrialConfig] = []
+    configs: list[DecodeConfig] = []
 
     def objective(trial: optuna.Trial) -> float:
         configs.append(suggest(trial, space, num_layers, drafters))
@@ -193,20 +194,20 @@ def test_suggest_budget_invariants(name: str, num_layers: int) -> None:
     for trial, cfg in zip(study.trials, configs, strict=True):
         check_config(cfg, trial, space, num_layers)
         if not trial.params.get("escalate_all"):
-            assert len(cfg.skip_attn) + len(cfg.skip_mlp) == round(trial.params["skip_frac"] * n_slots)
+            assert len(cfg.skip.attn) + len(cfg.skip.mlp) == round(trial.params["skip_frac"] * n_slots)
             scores = {}
             for key, value in trial.params.items():
                 if key.startswith("score_"):
                     _, kind, layer = key.split("_")
                     scores[kind, int(layer)] = value
             assert len(scores) == n_slots
-            skipped = {("attn", i) for i in cfg.skip_attn} | {("mlp", i) for i in cfg.skip_mlp}
+            skipped = {("attn", i) for i in cfg.skip.attn} | {("mlp", i) for i in cfg.skip.mlp}
             kept = scores.keys() - skipped
             if skipped and kept:
                 assert min(scores[s] for s in skipped) >= max(scores[s] for s in kept)
     assert {c.drafter for c in configs} == set(space.drafter)
     assert all(c.tau_escalate > 0 for c in configs)  # plain SD is only ever enqueued, never sampled
-    assert any(c.skip_attn or c.skip_mlp for c in configs)
+    assert any(not c.skip.is_empty for c in configs)
 
 
 def test_suggest_per_sublayer_and_attn_only(tmp_path: Path) -> None:
@@ -215,11 +216,11 @@ def test_suggest_per_sublayer_and_attn_only(tmp_path: Path) -> None:
     study, configs = run_study(space, 10, ALL)
     for trial, cfg in zip(study.trials, configs, strict=True):
         check_config(cfg, trial, space, 10)
-        assert cfg.skip_mlp == ()
+        assert cfg.skip.mlp == frozenset()
         if not trial.params.get("escalate_all"):
             switches = {k: v for k, v in trial.params.items() if k.startswith("skip_")}
             assert set(switches) == {f"skip_attn_{i}" for i in range(2, 9)}
-            assert cfg.skip_attn == tuple(i for i in range(2, 9) if switches[f"skip_attn_{i}"])
+            assert cfg.skip.attn == {i for i in range(2, 9) if switches[f"skip_attn_{i}"]}
 
 
 def test_budget_ties_broken_by_index() -> None:
@@ -228,7 +229,7 @@ def test_budget_ties_broken_by_index() -> None:
     params |= {"tau_accept_ratio": 0.5, "skip_frac": 0.25}
     params |= {f"score_{k}_{i}": 0.5 for i in range(1, 5) for k in ("attn", "mlp")}
     cfg = suggest(optuna.trial.FixedTrial(params), space, 6, ALL)  # 8 slots, k = 2
-    assert (cfg.skip_attn, cfg.skip_mlp) == ((1,), (1,))
+    assert cfg.skip == SkipSet.of([1], [1])
     assert cfg.tau_accept == 0.5 and cfg.kl == "js"
 
 
@@ -264,27 +265,26 @@ def test_enqueue_known_points_end_to_end(
         enqueue_known_points(study, space, 12, drafters)  # resumed study: not enqueued twice
         n_known = 1 + len(plain_drafters)
         assert len(study.trials) == n_known
-        configs: list[TrialConfig] = []
+        configs: list[DecodeConfig] = []
         study.optimize(lambda t: configs.append(suggest(t, space, 12, drafters)) or 0.0, n_trials=n_known + 4)
     no_skip, plains = configs[0], configs[1:n_known]
 
-    def draft_skip(drafter: str) -> tuple[int, ...]:
-        return tuple(evenly_spaced_skip(12, round(0.45 * 10), 1, 1)) if drafter == "self" else ()
+    def draft_skip(drafter: str) -> SkipSet:
+        layers = evenly_spaced_skip(12, round(0.45 * 10), 1, 1) if drafter == "self" else []
+        return SkipSet.of(layers, layers)
 
     drafter = plain_drafters[0]
-    assert no_skip == TrialConfig(
-        skip_attn=(),
-        skip_mlp=(),
+    assert no_skip == DecodeConfig(
+        mode="viasd",
+        gamma=gamma,
+        drafter=drafter,
+        draft_skip=draft_skip(drafter),
         tau_accept=math.sqrt(0.001 * 1.0) * math.sqrt(0.05 * 20.0),  # geometric mids
         tau_escalate=math.sqrt(0.05 * 20.0),
         kl=space.kl[0],
-        gamma=gamma,
-        drafter=drafter,
-        draft_skip_attn=draft_skip(drafter),
-        draft_skip_mlp=draft_skip(drafter),
     )
     assert plains == [
-        TrialConfig((), (), 0.0, 0.0, space.kl[0], gamma, d, draft_skip(d), draft_skip(d))
+        DecodeConfig(mode="viasd", gamma=gamma, drafter=d, draft_skip=draft_skip(d), kl=space.kl[0])
         for d in plain_drafters
     ]
     escalate_all = [t.params.get("escalate_all", False) for t in study.trials[:n_known]]
@@ -302,7 +302,7 @@ def test_known_points_per_sublayer(tmp_path: Path) -> None:
     assert (
         first.params["skip_attn_1"] is False and len([k for k in first.params if k.startswith("skip_")]) == 8
     )
-    assert (cfg.skip_attn, cfg.skip_mlp, cfg.gamma, cfg.drafter) == ((), (), 4, "model")
+    assert (cfg.skip, cfg.gamma, cfg.drafter) == (SkipSet(), 4, "model")
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,11 @@ import logging
 import os
 import sys
 
+from .config import DRAFTERS, GAMMA_MAX, KL_KINDS, MODES, DecodeConfig
 from .errors import UserError
+from .models import DEFAULT_MODEL
+from .routing import SkipSet
 
-DEFAULT_MODEL = "smollm2-135m"
 # Named model pairs (packaged checkpoints, see fetch.py): target, draft (None: self-draft / prompt lookup).
 PRESETS = {
     "smollm2": ("smollm2-135m", None),
@@ -44,16 +46,19 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
 
 
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--mode", choices=["ar", "sd", "viasd"], default=None, help="decoding mode (default viasd)"
-    )
+    p.add_argument("--mode", choices=MODES, default=None, help="decoding mode (default viasd)")
     p.add_argument(
         "--drafter",
-        choices=["model", "self", "lookup"],
+        choices=DRAFTERS,
         default=None,
         help="draft source (default: model with --draft, self with --draft-skip-*, else lookup)",
     )
-    p.add_argument("--gamma", type=int, default=5, help="draft tokens per round")
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=5,
+        help=f"draft tokens per round, 1..{GAMMA_MAX} (the cap with --draft-confidence)",
+    )
     p.add_argument(
         "--skip-attn", default="", help="slim verifier: attention sub-layers to skip, e.g. 3,5,7 or 3-7"
     )
@@ -63,16 +68,30 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
         "--draft-skip",
         dest="draft_skip_attn",
         default="",
-        help="self-draft: attention sub-layers to skip",
+        help="self-draft (or, with --drafter model, the draft model): attention sub-layers to skip",
     )
-    p.add_argument("--draft-skip-mlp", default="", help="self-draft: MLP sub-layers to skip")
+    p.add_argument(
+        "--draft-skip-mlp", default="", help="self-draft (or the draft model): MLP sub-layers to skip"
+    )
     p.add_argument(
         "--tau-accept", type=float, default=0.0, help="D below this: accept the draft token directly"
     )
     p.add_argument(
         "--tau-escalate", type=float, default=0.0, help="D at or above this: the full target verifies"
     )
-    p.add_argument("--kl", choices=["forward", "reverse", "js"], default="forward")
+    p.add_argument("--kl", choices=KL_KINDS, default="forward")
+    p.add_argument(
+        "--recheck",
+        action="store_true",
+        help="viasd: the full target's next batched forward re-checks the slim-settled tokens (lossless)",
+    )
+    p.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=0.0,
+        metavar="FLOAT",
+        help="stop drafting once the drafter's top-1 probability is below this, in [0, 1) (default 0: off)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object: token_ids, text, stats, config"
+    )
     g.set_defaults(func=cmd_generate)
 
     from .search.cli import add_search_commands
@@ -104,10 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _decode_config(args):
-    from .decoding.decoder import DecodeConfig
-    from .routing import SkipSet
-
+def _decode_config(args) -> DecodeConfig:
+    """The flags as a :class:`DecodeConfig`, validated (before any model loads)."""
     drafter = args.drafter or (
         "model" if args.draft else "self" if (args.draft_skip_attn or args.draft_skip_mlp) else "lookup"
     )
@@ -120,6 +139,8 @@ def _decode_config(args):
         tau_accept=args.tau_accept,
         tau_escalate=args.tau_escalate,
         kl=args.kl,
+        recheck=args.recheck,
+        draft_confidence=args.draft_confidence,
     )
 
 
@@ -156,7 +177,8 @@ def cmd_generate(args) -> int:
     )
     stats = result.stats.to_dict()
     if args.json:
-        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": stats}))
+        out = {"token_ids": result.token_ids, "text": result.text, "stats": stats}
+        print(json.dumps({**out, "config": decoder.config.to_dict()}))
     else:
         print(result.text)
         print(

@@ -26,6 +26,7 @@ from plotly.subplots import make_subplots
 from viasd_tune.errors import UserError
 from viasd_tune.fsutil import atomic_write_text
 from viasd_tune.page import facts_table, figure_html, page_html
+from viasd_tune.search.front import pareto_front
 
 __all__ = ["build_dashboard", "dashboard_from_out_dir", "dashboard_from_storage"]
 
@@ -102,18 +103,10 @@ def _points(trials: Sequence[FrozenTrial], min_fidelity: float | None) -> list[_
 
 
 def _mark_pareto(points: list[_Point]) -> None:
-    """Flag the points no other point beats on both objectives (identical points do not beat each other).
-
-    A sweep in decreasing speedup: a point is dominated iff an earlier one has higher acceptance, or the same
-    acceptance at a strictly higher speedup.
-    """
-    best_acc = -math.inf
-    best_acc_speedup = -math.inf  # the largest speedup among the earlier points that reach best_acc
-    for p in sorted(points, key=lambda p: (-p.speedup, -p.acceptance)):
-        dominated = best_acc > p.acceptance or (best_acc == p.acceptance and best_acc_speedup > p.speedup)
-        p.pareto = not dominated
-        if p.acceptance > best_acc:
-            best_acc, best_acc_speedup = p.acceptance, p.speedup
+    """Flag the points no other point beats on both objectives: the export's front (search/front.py)."""
+    front = {id(t) for t in pareto_front(p.trial for p in points)}
+    for p in points:
+        p.pareto = id(p.trial) in front
 
 
 def _study_min_fidelity(study: optuna.Study) -> float | None:

@@ -17,6 +17,7 @@ from .errors import UserError
 from .host import cpu_has_native_bf16
 
 log = logging.getLogger(__name__)
+DEFAULT_MODEL = "smollm2-135m"  # the target when none is given: a packaged checkpoint (fetch.py)
 
 
 @dataclass

@@ -96,16 +96,20 @@ def _check_semantics(profile: dict[str, Any], origin: str) -> None:
             f"'{profile['drafter']}' differs from draft.kind '{profile['draft']['kind']}'",
         )
 
+    draft = profile["draft"]
     for key in ("skip_attn", "skip_mlp"):
-        if key in profile["draft"] and profile["draft"]["kind"] != "self":
+        if key in draft and draft["kind"] == "lookup":
             raise _fail(
                 origin,
                 f"$.draft.{key}",
-                "only a 'self' drafter skips layers; remove it or set draft.kind to 'self'",
+                "prompt lookup runs no model, so it skips no layers; remove it or set draft.kind to 'self' or 'model'",
             )
 
-    num_layers = profile["target"]["fingerprint"]["num_layers"]
+    # The self-draft skips the target's layers; a skip set on a separate draft model indexes the draft's.
+    draft_model = draft["kind"] == "model"
     for section in ("routing", "draft"):
+        role = "draft" if section == "draft" and draft_model else "target"
+        num_layers = profile[role]["fingerprint"]["num_layers"]
         for key in ("skip_attn", "skip_mlp"):
             layers = profile[section].get(key, [])
             path = f"$.{section}.{key}"
@@ -115,7 +119,7 @@ def _check_semantics(profile: dict[str, Any], origin: str) -> None:
                 raise _fail(
                     origin,
                     path,
-                    f"layer {layers[-1]} is out of range; the target has {num_layers} layers (0..{num_layers - 1})",
+                    f"layer {layers[-1]} is out of range; the {role} has {num_layers} layers (0..{num_layers - 1})",
                 )
 
     storage = profile["provenance"]["storage"]

@@ -8,29 +8,14 @@ import os
 import warnings
 
 from . import models
-from .decoding.decoder import DecodeConfig, Decoder
+from .config import DecodeConfig
+from .decoding.decoder import Decoder
 from .errors import UserError
 from .profile import load_profile
-from .routing import SkipSet
 
 log = logging.getLogger(__name__)
 # Fields that identify the weights; the source path may legitimately differ between machines.
 _PINNED = ("architecture", "num_layers", "hidden_size", "vocab_size", "vocab_sha256")
-
-
-def decode_config(profile: dict) -> DecodeConfig:
-    """The profile's routing as a :class:`DecodeConfig` (mode viasd)."""
-    draft = profile["draft"]
-    return DecodeConfig(
-        mode="viasd",
-        gamma=profile["gamma"],
-        drafter=profile["drafter"],
-        skip=SkipSet.of(profile["routing"]["skip_attn"], profile["routing"]["skip_mlp"]),
-        draft_skip=SkipSet.of(draft.get("skip_attn", []), draft.get("skip_mlp", [])),
-        tau_accept=profile["thresholds"]["tau_accept"],
-        tau_escalate=profile["thresholds"]["tau_escalate"],
-        kl=profile["thresholds"]["kl"],
-    )
 
 
 def check_fingerprint(role: str, expected: dict, actual: dict, strict: bool) -> None:
@@ -56,6 +41,10 @@ def load(
     """Rebuild the tuned decoder. ``profile``: path or dict. ``model``/``draft``: a name/path to load instead
     of the profile's, or an already loaded :class:`models.LoadedModel`."""
     prof = load_profile(profile if isinstance(profile, dict) else os.fspath(profile))
+    config = DecodeConfig.from_profile(prof)
+    # Checked against the fingerprints' layer counts before any model loads (and by the decoder once they have).
+    draft_layers = prof["draft"]["fingerprint"]["num_layers"] if config.drafter == "model" else None
+    config.validate(prof["target"]["fingerprint"]["num_layers"], draft_layers)
     dtype = dtype or prof["dtype"]
     device = device or ("cuda" if prof["device"] == "cuda" and models.torch.cuda.is_available() else "cpu")
 
@@ -70,9 +59,7 @@ def load(
 
     target = get(model, prof["target"], "target")
     draft_lm = None
-    if prof["drafter"] == "model":
+    if config.drafter == "model" and config.mode != "ar":
         draft_lm = get(draft, prof["draft"], "draft")
         models.check_same_tokenizer(target, draft_lm)
-    return Decoder(
-        target.model, target.tokenizer, decode_config(prof), draft=draft_lm.model if draft_lm else None
-    )
+    return Decoder(target.model, target.tokenizer, config, draft=draft_lm.model if draft_lm else None)

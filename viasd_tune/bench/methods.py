@@ -174,7 +174,8 @@ def build_methods(
 ) -> dict[str, Method]:
     """Decoders and HF arguments for every method, sharing the already-loaded models."""
     from .. import runtime
-    from ..decoding.decoder import DecodeConfig, Decoder
+    from ..config import DecodeConfig
+    from ..decoding.decoder import Decoder
 
     tm, tok = target.model, target.tokenizer
     by_name = {VIASD_PREFIX + b.name: b for b in profiles}

@@ -3,73 +3,35 @@ the search and the runtime all call."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
 from torch import nn
 
+from ..config import DRAFTERS, KL_KINDS, MODES, DecodeConfig
 from ..errors import UserError
 from ..models import context_length
-from ..routing import SkipSet, install_skipping, num_layers
+from ..routing import install_skipping, num_layers
 from . import ar, sd, viasd
 from .common import Result, Sampling, Stats
 from .drafters import LookupDrafter, ModelDrafter
 
-MODES = ("ar", "sd", "viasd")
-DRAFTERS = ("model", "self", "lookup")
-KL_KINDS = ("forward", "reverse", "js")
+__all__ = [
+    "DRAFTERS",
+    "KL_KINDS",
+    "MODES",
+    "DecodeConfig",
+    "Decoder",
+]  # the config lives in viasd_tune.config
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Everything a profile pins about decoding, except the models themselves."""
-
-    mode: str = "viasd"
-    gamma: int = 5
-    drafter: str = "model"
-    skip: SkipSet = field(default_factory=SkipSet)  # the slim verifier's
-    draft_skip: SkipSet = field(default_factory=SkipSet)  # the self-draft's (drafter == "self")
-    tau_accept: float = 0.0
-    tau_escalate: float = 0.0
-    kl: str = "forward"
-
-    def validate(self, n_layers: int, has_draft_model: bool) -> DecodeConfig:
-        if self.mode not in MODES:
-            raise UserError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
-        if self.mode == "ar":
-            return self
-        if self.gamma < 1:
-            raise UserError(
-                f"gamma must be at least 1 (got {self.gamma}); it is the number of drafted tokens per round"
-            )
-        if self.drafter not in DRAFTERS:
-            raise UserError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)}")
-        if self.drafter == "model" and not has_draft_model:
-            raise UserError(
-                "drafter 'model' needs a draft model; pass --draft, or use --draft-skip (self) or lookup"
-            )
-        if self.drafter == "self":
-            if self.draft_skip.is_empty:
-                raise UserError("the self-draft needs a skip set; pass --draft-skip-attn/--draft-skip-mlp")
-            self.draft_skip.validate(n_layers)
-        if self.mode == "viasd":
-            if self.kl not in KL_KINDS:
-                raise UserError(f"unknown --kl {self.kl!r}; use one of {', '.join(KL_KINDS)}")
-            if self.tau_accept < 0 or self.tau_escalate < 0:
-                raise UserError("thresholds must be >= 0 (tau_accept and tau_escalate)")
-            if self.tau_accept > self.tau_escalate:
-                raise UserError(
-                    f"tau_accept ({self.tau_accept}) is above tau_escalate ({self.tau_escalate}); "
-                    "tau_accept must be <= tau_escalate"
-                )
-            self.skip.validate(n_layers)
-        return self
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["skip"] = self.skip.to_dict()
-        d["draft_skip"] = self.draft_skip.to_dict()
-        return d
+def _layer_counts(config: DecodeConfig, target: nn.Module, draft: nn.Module | None) -> tuple[int, int | None]:
+    """What :meth:`DecodeConfig.validate` checks the skip sets against. A layer count is only read where a skip
+    set applies to that model (reading it refuses architectures that cannot skip); 0 elsewhere."""
+    skips_target = config.mode == "viasd" or (config.mode == "sd" and config.drafter == "self")
+    skips_draft = config.mode != "ar" and config.drafter == "model" and not config.draft_skip.is_empty
+    return (
+        num_layers(target) if skips_target else 0,
+        None if draft is None else num_layers(draft) if skips_draft else 0,
+    )
 
 
 class Decoder:
@@ -86,8 +48,7 @@ class Decoder:
         from ..models import eos_ids
 
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
-        uses_skipping = config.mode == "viasd" or (config.mode == "sd" and config.drafter == "self")
-        self.config = config.validate(num_layers(target) if uses_skipping else 0, draft is not None)
+        self.config = config.validate(*_layer_counts(config, target, draft))
         if config.mode != "ar" and not (config.skip.is_empty and config.draft_skip.is_empty):
             install_skipping(target)
         self.eos = eos if eos is not None else eos_ids(target, tokenizer)

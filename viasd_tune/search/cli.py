@@ -52,7 +52,7 @@ def add_search_commands(sub, add_model_args) -> None:
 
 
 def cmd_search(args) -> int:
-    from ..cli import DEFAULT_MODEL
+    from ..models import DEFAULT_MODEL
     from .run import SearchSettings, run_search
 
     name = args.study_name or (Path(args.out).name if args.out else "default")
@@ -82,6 +82,10 @@ def cmd_search(args) -> int:
     )
     if args.trials < 1:
         raise UserError("--trials must be at least 1")
+    if args.n_jobs < 1:
+        raise UserError(
+            f"--n-jobs must be at least 1 (got {args.n_jobs}); it is the worker processes to start"
+        )
     if args.n_jobs > 1:
         from .workers import run_workers
 
@@ -109,28 +113,12 @@ def print_summary(summary: dict) -> None:
     )
 
 
-def _load_study(storage: str, name: str):
-    import optuna
-
-    from .run import make_storage
-
-    db = storage.removeprefix("sqlite:///").split("?", 1)[0] if storage.startswith("sqlite:///") else ""
-    if db not in ("", ":memory:") and not Path(db).is_file():  # SQLAlchemy would create an empty one there
-        raise UserError(f"no Optuna database at {db}; check the path (a search writes <out>/study.db)")
-    try:
-        return optuna.load_study(study_name=name, storage=make_storage(storage))
-    except KeyError:
-        names = [s.study_name for s in optuna.get_all_study_summaries(make_storage(storage))]
-        raise UserError(
-            f"no study {name!r} in that storage; studies there: {', '.join(names) or 'none'}"
-        ) from None
-
-
 def cmd_export(args) -> int:
     from ..profile import write_profile
     from .export import build_profile, pick_trial
+    from .storage import load_study
 
-    study = _load_study(args.storage, args.study_name)
+    study = load_study(args.storage, args.study_name)
     trial = pick_trial(study, args.pick)
     profile = build_profile(study, trial, study.user_attrs.get(f"held_out:{trial.number}"))
     write_profile(args.out, profile)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import optuna
 
+from ..config import DecodeConfig
 from ..errors import UserError
 from ..profile import SCHEMA_VERSION, package_versions, write_profile
-from ..routing import SkipSet
+from .front import pareto_front
 
 log = logging.getLogger(__name__)
 PICKS = ("knee", "fastest", "most-faithful")
@@ -25,15 +26,6 @@ def feasible_measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         if t.user_attrs.get("measured") and t.user_attrs.get("feasible")
     ]
-
-
-def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    """Trials no other trial beats on both objectives (speedup, acceptance)."""
-
-    def dominated(a, b) -> bool:  # b dominates a
-        return all(y >= x for x, y in zip(a.values, b.values, strict=True)) and b.values != a.values
-
-    return sorted((t for t in trials if not any(dominated(t, o) for o in trials)), key=lambda t: t.values[0])
 
 
 def knee(front: list[optuna.trial.FrozenTrial]) -> optuna.trial.FrozenTrial:
@@ -80,13 +72,10 @@ def pick_trial(study: optuna.Study, pick: str) -> optuna.trial.FrozenTrial:
 def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out: dict | None = None) -> dict:
     """A routing profile for ``trial``; metrics from the held-out evaluation when given, else calibration."""
     a = study.user_attrs
-    cfg = trial.user_attrs["config"]
-    drafter = cfg["drafter"]
-    draft: dict = {"kind": drafter, "name": None, "fingerprint": None}
-    if drafter == "model":
+    decoding = DecodeConfig.from_dict(trial.user_attrs["config"]).to_profile()
+    draft: dict = {"kind": decoding["drafter"], "name": None, "fingerprint": None, **decoding.pop("draft")}
+    if draft["kind"] == "model":
         draft.update(name=a["draft"], fingerprint=a["draft_fingerprint"])
-    elif drafter == "self":
-        draft.update(skip_attn=sorted(cfg["draft_skip_attn"]), skip_mlp=sorted(cfg["draft_skip_mlp"]))
     shares = trial.user_attrs.get("tier_shares", {"direct": 0.0, "slim": 0.0, "full": 1.0})
     metrics = held_out or {
         "speedup_measured": trial.values[0],
@@ -108,10 +97,7 @@ def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out
         "schema_version": SCHEMA_VERSION,
         "target": {"name": a["target"], "fingerprint": a["target_fingerprint"]},
         "draft": draft,
-        "routing": SkipSet.of(cfg["skip_attn"], cfg["skip_mlp"]).to_dict(),
-        "thresholds": {"tau_accept": cfg["tau_accept"], "tau_escalate": cfg["tau_escalate"], "kl": cfg["kl"]},
-        "gamma": cfg["gamma"],
-        "drafter": drafter,
+        **decoding,
         "dtype": a["dtype"],
         "device": a["device"],
         "metrics": metrics,
@@ -127,13 +113,13 @@ def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out
 
 
 def export_study(
-    study: optuna.Study, out: Path, pick: str = "knee", evaluate: Callable[[object], dict] | None = None
+    study: optuna.Study,
+    out: Path,
+    pick: str = "knee",
+    evaluate: Callable[[DecodeConfig], dict] | None = None,
 ) -> dict:
     """Write ``out/profile.json`` (the pick, held-out metrics when ``evaluate`` is given), every feasible Pareto
     trial under ``out/pareto/``, the dashboard, and return a summary."""
-    from .run import trial_decode_config
-    from .space import TrialConfig
-
     try:
         chosen = pick_trial(study, pick)
     except UserError:
@@ -142,10 +128,7 @@ def export_study(
     # Finished trials are read-only in Optuna, so held-out metrics live in the study's attrs.
     held = study.user_attrs.get(f"held_out:{chosen.number}")
     if evaluate is not None and held is None:
-        cfg = TrialConfig(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in chosen.user_attrs["config"].items()}
-        )
-        held = evaluate(trial_decode_config(cfg))
+        held = evaluate(DecodeConfig.from_dict(chosen.user_attrs["config"]))
         study.set_user_attr(f"held_out:{chosen.number}", held)
     profile = build_profile(study, chosen, held)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..config import DecodeConfig
 from ..decoding.common import DIRECT, FULL, SLIM, Stats, divergence
 from ..decoding.drafters import LookupDrafter
 from ..routing import SkipSet, num_layers, skipping
@@ -169,10 +170,9 @@ def _route(prop: list[int], pos0: int, div, tokens: np.ndarray, cfg, lookup: boo
     return emitted, None
 
 
-def simulate(cache: ReplayCache, cfg) -> Estimate:
-    """Replay the VIA-SD round logic (greedy) along each reference; ``cfg`` is a search TrialConfig."""
-    skip = SkipSet.of(cfg.skip_attn, cfg.skip_mlp)
-    dskip = SkipSet.of(cfg.draft_skip_attn, cfg.draft_skip_mlp)
+def simulate(cache: ReplayCache, cfg: DecodeConfig) -> Estimate:
+    """Replay the VIA-SD round logic (greedy) along each reference for a search trial's configuration."""
+    skip, dskip = cfg.skip, cfg.draft_skip
     lookup = cfg.drafter == "lookup"
     escalate_all = cfg.tau_escalate <= 0
     slim = None if escalate_all else cache.slim(skip, cfg.drafter, dskip)

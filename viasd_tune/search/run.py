@@ -23,14 +23,16 @@ import optuna
 from tqdm.auto import tqdm
 
 from .. import models, prompts
-from ..decoding.decoder import DecodeConfig, Decoder
+from ..config import DecodeConfig
+from ..decoding.decoder import Decoder
 from ..errors import UserError
 from ..fidelity import agreement, greedy_agreement
 from ..profile import calibration_fingerprint, redact_url
-from ..routing import SkipSet, install_skipping, num_layers
+from ..routing import install_skipping, num_layers
 from . import costmodel, replay
 from . import space as spaces
 from .export import export_study
+from .storage import env_seconds, open_study
 
 log = logging.getLogger(__name__)
 ESTIMATE_MARGIN = 0.03  # trials estimated this far below min fidelity are not worth decoding for real
@@ -60,19 +62,6 @@ class SearchSettings:
     trust_remote_code: bool = False
     progress: bool = True
     worker: bool = False  # only run trials; the process that started the workers exports
-
-
-def trial_decode_config(cfg: spaces.TrialConfig) -> DecodeConfig:
-    return DecodeConfig(
-        mode="viasd",
-        gamma=cfg.gamma,
-        drafter=cfg.drafter,
-        skip=SkipSet.of(cfg.skip_attn, cfg.skip_mlp),
-        draft_skip=SkipSet.of(cfg.draft_skip_attn, cfg.draft_skip_mlp),
-        tau_accept=cfg.tau_accept,
-        tau_escalate=cfg.tau_escalate,
-        kl=cfg.kl,
-    )
 
 
 @dataclass
@@ -152,85 +141,6 @@ def _references(target, tokenizer, items, max_new_tokens: int, progress: bool) -
     return refs
 
 
-def open_study(storage: str, name: str, seed: int, min_fidelity: float) -> optuna.Study:
-    """Create or resume a two-objective study (speedup, acceptance) with fidelity as a constraint."""
-    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.set_constraint values
-    try:
-        return optuna.create_study(
-            storage=make_storage(storage),
-            study_name=name,
-            directions=["maximize", "maximize"],
-            sampler=sampler,
-            load_if_exists=True,
-        )
-    except (optuna.exceptions.StorageInternalError, ImportError, ValueError) as e:
-        raise UserError(
-            f"cannot open Optuna storage {redact_url(storage)}: {str(e).splitlines()[0]}"
-        ) from None
-
-
-def make_storage(url: str):
-    """RDB storage with heartbeats, so a trial whose worker died is failed and retried, not RUNNING forever.
-
-    ``VIASD_HEARTBEAT_INTERVAL`` / ``VIASD_GRACE_PERIOD`` (seconds) override the 30 s / 90 s defaults: a
-    dead worker's trial is retried ``grace`` seconds after its last heartbeat, so tests use a few seconds.
-    """
-    if "://" not in url:
-        return url
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-
-    interval, grace = _env_seconds("VIASD_HEARTBEAT_INTERVAL", 30), _env_seconds("VIASD_GRACE_PERIOD", 90)
-
-    def connect() -> RDBStorage:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(
-                _with_driver(url),
-                heartbeat_interval=interval,
-                grace_period=grace,
-                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
-                engine_kwargs={} if url.startswith("sqlite") else {"pool_pre_ping": True},
-            )
-
-    try:
-        try:
-            return connect()
-        except ImportError:
-            raise
-        except Exception:
-            time.sleep(1.0)  # N workers started at once on an empty database race to create its tables
-            return connect()
-    except Exception as e:  # sqlalchemy raises many types for an unreachable server or a bad URL
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        if isinstance(e, ImportError):
-            first = (
-                "its database driver is not installed (for PostgreSQL: pip install 'viasd-tune[postgres]')"
-            )
-        # Driver messages can quote the URL, and so its password: never print that.
-        first = first.replace(url, redact_url(url)).replace(_with_driver(url), redact_url(url))
-        raise UserError(f"cannot open Optuna storage {redact_url(url)}: {first}") from None
-
-
-def _with_driver(url: str) -> str:
-    """SQLAlchemy 2.1 maps a bare ``postgresql://`` to psycopg 3; use psycopg2 (our ``postgres`` extra) when
-    only that one is installed, so the URL a user copies from the README works either way."""
-    import importlib.util
-
-    bare = url.startswith("postgresql://")
-    if bare and importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2"):
-        return "postgresql+psycopg2://" + url.removeprefix("postgresql://")
-    return url
-
-
-def _env_seconds(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    if not value.isdigit() or int(value) < 1:
-        raise UserError(f"{name}={value!r} must be a whole number of seconds >= 1")
-    return int(value)
-
-
 def run_search(s: SearchSettings) -> dict:
     """Run (or resume) a search and export the knee profile; returns the export summary."""
     out = Path(s.out)
@@ -308,15 +218,7 @@ def run_search(s: SearchSettings) -> dict:
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         cfg = spaces.suggest(trial, space, n_layers, drafters)
         est = replay.simulate(cache, cfg)
-        modelled = ar_model_time / max(
-            cost.price(
-                est.calls,
-                SkipSet.of(cfg.skip_attn, cfg.skip_mlp),
-                SkipSet.of(cfg.draft_skip_attn, cfg.draft_skip_mlp),
-                cfg.drafter,
-            ),
-            1e-9,
-        )
+        modelled = ar_model_time / max(cost.price(est.calls, cfg.skip, cfg.draft_skip, cfg.drafter), 1e-9)
         trial.set_user_attr(
             "estimate", {"fidelity": est.fidelity, "acceptance": est.acceptance, "speedup_modelled": modelled}
         )
@@ -333,7 +235,7 @@ def run_search(s: SearchSettings) -> dict:
             target.model,
             target.tokenizer,
             draft.model if draft else None,
-            trial_decode_config(cfg),
+            cfg,
             refs,
             s.max_new_tokens,
             flip=bool(trial.number % 2),
@@ -441,7 +343,7 @@ def _patience(trials: list[optuna.trial.FrozenTrial]) -> float:
         for t in trials
         if t.datetime_complete and t.datetime_start
     ]
-    return _env_seconds("VIASD_GRACE_PERIOD", 90) + 60 + 3 * max(spans, default=0.0)
+    return env_seconds("VIASD_GRACE_PERIOD", 90) + 60 + 3 * max(spans, default=0.0)
 
 
 def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:

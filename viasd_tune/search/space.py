@@ -1,5 +1,5 @@
-"""Search spaces: what the tuner may vary (a validated YAML file) and how an Optuna trial decodes into a
-TrialConfig. Param names are stable and readable so studies can be resumed, compared and plotted.
+"""Search spaces: what the tuner may vary (a validated YAML file) and how an Optuna trial's params decode into
+a :class:`~viasd_tune.config.DecodeConfig` (:func:`suggest`, the one mapping from params). Param names are stable and readable so studies can be resumed, compared and plotted.
 
 τ_escalate = 0 (plain speculative decoding: every token goes to the full target) is outside the log range of
 ``tau_escalate`` and Optuna 5 refuses 0 for a log distribution even as an enqueued value. So it is an explicit
@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -21,14 +21,14 @@ import jsonschema
 import optuna
 import yaml
 
+from ..config import DRAFTERS, GAMMA_MAX, KL_KINDS, DecodeConfig
 from ..errors import UserError
+from ..routing import SkipSet
 
 SUBLAYERS = ("attn", "mlp")
-KL_KINDS = ("forward", "reverse", "js")
-DRAFTERS = ("model", "self", "lookup")
 ENCODINGS = ("budget", "per_sublayer")
 SHIPPED = ("default", "smoke", "model-draft", "lookup")
-# Bump when the params -> TrialConfig mapping changes, so a study made with the old mapping is refused.
+# Bump when the params -> DecodeConfig mapping changes, so a study made with the old mapping is refused.
 DECODING_VERSION = 1
 
 
@@ -83,7 +83,7 @@ SCHEMA: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
             "uniqueItems": True,
-            "items": {"type": "integer", "minimum": 1},
+            "items": {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX},
         },
         "drafter": _names_schema(DRAFTERS),
         "self_draft": {
@@ -146,25 +146,6 @@ class SearchSpace:
     drafter: tuple[str, ...]
     self_draft_skip_fraction: FloatRange | None
     source: str
-
-
-@dataclass(frozen=True)
-class TrialConfig:
-    """One decoded trial: everything the VIA-SD decoder needs. ``tau_escalate == 0`` means plain SD."""
-
-    skip_attn: tuple[int, ...]  # sorted layer indices whose attention the slim verifier skips
-    skip_mlp: tuple[int, ...]
-    tau_accept: float
-    tau_escalate: float
-    kl: str
-    gamma: int
-    drafter: str  # model | self | lookup
-    draft_skip_attn: tuple[int, ...] = ()  # self-draft skip set (drafter == self)
-    draft_skip_mlp: tuple[int, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able (lists instead of tuples), for user attrs, reports and profiles."""
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
 
 # ---------------------------------------------------------------- loading
@@ -326,39 +307,38 @@ def _suggest_skip(trial: optuna.trial.BaseTrial, space: SearchSpace, layers: ran
 
 def suggest(
     trial: optuna.trial.BaseTrial, space: SearchSpace, num_layers: int, drafters: list[str]
-) -> TrialConfig:
-    """Sample one configuration; also stored as user attr "config" so dashboards need not re-decode."""
+) -> DecodeConfig:
+    """Sample one VIA-SD configuration; also stored as user attr "config" (:meth:`DecodeConfig.to_dict`) so
+    dashboards and exports need not re-decode. ``tau_escalate == 0`` is plain SD."""
     choices = _available(space, drafters)
     layers = _eligible_layers(space, num_layers)
     drafter = trial.suggest_categorical("drafter", choices)
     gamma = trial.suggest_categorical("gamma", list(space.gamma))
-    draft_skip: tuple[int, ...] = ()
+    draft_skip = SkipSet()
     if drafter == "self":
         assert space.self_draft_skip_fraction is not None  # the schema requires it when drafter lists self
         frac = space.self_draft_skip_fraction.suggest(trial, "self_skip_frac")
-        draft_skip = tuple(
-            evenly_spaced_skip(
-                num_layers, round(frac * len(layers)), space.skip.protect_first, space.skip.protect_last
-            )
+        skipped_layers = evenly_spaced_skip(
+            num_layers, round(frac * len(layers)), space.skip.protect_first, space.skip.protect_last
         )
+        draft_skip = SkipSet.of(skipped_layers, skipped_layers)
     if _enqueued_escalate_all(trial):
         # Plain SD: no slim verifier, so kl is unused (kept as the first listed for a well-formed config).
-        cfg = TrialConfig((), (), 0.0, 0.0, space.kl[0], gamma, drafter, draft_skip, draft_skip)
+        cfg = DecodeConfig(mode="viasd", gamma=gamma, drafter=drafter, draft_skip=draft_skip, kl=space.kl[0])
     else:
         kl = trial.suggest_categorical("kl", list(space.kl))
         tau_escalate = space.tau_escalate.suggest(trial, "tau_escalate")
         ratio = space.tau_accept_ratio.suggest(trial, "tau_accept_ratio")
         skipped = _suggest_skip(trial, space, layers)
-        cfg = TrialConfig(
-            skip_attn=tuple(sorted(i for i, k in skipped if k == "attn")),
-            skip_mlp=tuple(sorted(i for i, k in skipped if k == "mlp")),
+        cfg = DecodeConfig(
+            mode="viasd",
+            gamma=gamma,
+            drafter=drafter,
+            skip=SkipSet.of((i for i, k in skipped if k == "attn"), (i for i, k in skipped if k == "mlp")),
+            draft_skip=draft_skip,
             tau_accept=ratio * tau_escalate,
             tau_escalate=tau_escalate,
             kl=kl,
-            gamma=gamma,
-            drafter=drafter,
-            draft_skip_attn=draft_skip,
-            draft_skip_mlp=draft_skip,
         )
     trial.set_user_attr("config", cfg.to_dict())
     return cfg

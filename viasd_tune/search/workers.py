@@ -1,47 +1,70 @@
-"""``--n-jobs J``: J worker processes on one storage (Optuna coordinates them); this process is one of them."""
+"""``--n-jobs J``: J worker processes on one storage (Optuna coordinates them); this process is one of them.
+
+The others get this process's :class:`SearchSettings` (as JSON on their stdin, so a storage password never
+shows in ``ps``), with the storage and study name fixed, ``worker=True`` (they only run trials; this process
+exports) and no progress bar.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
+from ..errors import UserError
 from .run import SearchSettings, run_search
 
 
-def run_workers(s: SearchSettings, n_jobs: int) -> dict:
+def worker_settings(s: SearchSettings) -> SearchSettings:
+    """What every process runs: ``s`` with the storage and study name it would default to made explicit."""
     out = Path(s.out)
-    out.mkdir(parents=True, exist_ok=True)
     storage = s.storage or f"sqlite:///{(out / 'study.db').resolve()}"
-    s = replace(s, storage=storage, study_name=s.study_name or out.name)
-    argv = [arg for arg in sys.argv[1:] if arg != "--debug"]
-    argv = _set(argv, "--n-jobs", "1")
-    argv = _set(_set(argv, "--storage", storage), "--study-name", s.study_name)
-    argv = _set(argv, "--out", str(out))
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "viasd_tune.cli", *argv, "--no-progress", "--worker"])
-        for _ in range(n_jobs - 1)
-    ]
+    return dataclasses.replace(s, storage=storage, study_name=s.study_name or out.name)
+
+
+def run_workers(s: SearchSettings, n_jobs: int) -> dict:
+    """Run the search in this process and ``n_jobs - 1`` worker processes; returns this process's summary."""
+    if n_jobs < 1:
+        raise UserError(f"--n-jobs must be at least 1 (got {n_jobs})")
+    Path(s.out).mkdir(parents=True, exist_ok=True)
+    s = worker_settings(s)
+    payload = json.dumps(dataclasses.asdict(dataclasses.replace(s, worker=True, progress=False)))
+    procs = []
     try:
-        summary = run_search(s)  # this process counts toward the trials too, and exports at the end
+        for _ in range(n_jobs - 1):
+            p = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, text=True)
+            procs.append(p)
+            p.stdin.write(payload)
+            p.stdin.close()
+        return run_search(s)  # this process counts toward the trials too, and exports at the end
     finally:
         for p in procs:
             p.wait()
-    return summary
 
 
-def _set(argv: list[str], flag: str, value: str) -> list[str]:
-    """Replace or append ``flag value`` in an argv list."""
-    out, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg == flag:
-            skip = i + 1 < len(argv)
-            continue
-        if arg.startswith(flag + "="):
-            continue
-        out.append(arg)
-    return [*out, flag, value]
+def main() -> int:
+    """A worker: settings as JSON on stdin; exit 2 with one line on bad input, 130 on Ctrl-C, like the CLI."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        s = SearchSettings(**json.load(sys.stdin))
+        run_search(s)
+    except UserError as e:
+        print(f"viasd-tune worker: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("viasd-tune worker: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The one decoding configuration: what a profile, a search trial and the ``generate`` flags all describe.
+
+:class:`DecodeConfig` is built in one place per source and validated where it is built:
+
+- from flags or Python: ``DecodeConfig(mode=, gamma=, drafter=, skip=, draft_skip=, tau_accept=, tau_escalate=,
+  kl=, recheck=, draft_confidence=)``;
+- from a profile: :meth:`DecodeConfig.from_profile` (and back with :meth:`DecodeConfig.to_profile`);
+- from an Optuna trial's params: ``search.space.suggest`` (it needs the search space);
+- from the flat JSON record a trial keeps in its user attr ``config`` (and ``generate --json`` prints):
+  :meth:`DecodeConfig.from_dict` / :meth:`DecodeConfig.to_dict`.
+
+Every field is checked on construction (names, types, finite numbers in range), so a bad value is refused
+before any model loads; :meth:`DecodeConfig.validate` adds the checks that need the models' layer counts.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import UserError
+from .routing import SkipSet
+
+MODES = ("ar", "sd", "viasd")
+DRAFTERS = ("model", "self", "lookup")
+KL_KINDS = ("forward", "reverse", "js")
+GAMMA_MAX = 64  # drafted tokens per round; more only costs memory and time (a verify block is γ + 1 tokens)
+
+
+def _names(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything a profile pins about decoding, except the models themselves.
+
+    - ``mode``: ``ar`` (the target alone), ``sd`` (draft + full target, lossless) or ``viasd`` (three tiers);
+    - ``gamma``: drafted tokens per round, 1..64 (the cap when ``draft_confidence`` stops drafting early);
+    - ``drafter``: ``model`` (a separate draft model), ``self`` (the target with ``draft_skip`` skipped) or
+      ``lookup`` (prompt lookup, no model);
+    - ``skip``: the slim verifier's skip set (VIA-SD);
+    - ``draft_skip``: the self-draft's skip set (``drafter == "self"``, layers of the target), or a skip set
+      applied to the separate draft model (``drafter == "model"``, layers of the draft model); unused by lookup;
+    - ``tau_accept`` <= ``tau_escalate``, finite and >= 0: the divergence thresholds (``tau_escalate = 0`` is
+      plain SD, token for token);
+    - ``kl``: the divergence, ``forward``, ``reverse`` or ``js``;
+    - ``recheck``: VIA-SD only; the full target's next batched forward re-checks the tokens the slim tier
+      settled and replaces any it disagrees with, which makes VIA-SD lossless;
+    - ``draft_confidence``: in [0, 1); stop drafting once the drafter's top-1 probability falls below it
+      (0: off, always draft ``gamma`` tokens).
+    """
+
+    mode: str = "viasd"
+    gamma: int = 5
+    drafter: str = "model"
+    skip: SkipSet = field(default_factory=SkipSet)
+    draft_skip: SkipSet = field(default_factory=SkipSet)
+    tau_accept: float = 0.0
+    tau_escalate: float = 0.0
+    kl: str = "forward"
+    recheck: bool = False
+    draft_confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, MODES, "--mode")
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, numbers.Integral):
+            raise UserError(
+                f"gamma must be a whole number from 1 to {GAMMA_MAX} (got {self.gamma!r}); "
+                "it is the number of drafted tokens per round"
+            )
+        if not 1 <= self.gamma <= GAMMA_MAX:
+            raise UserError(
+                f"gamma must be from 1 to {GAMMA_MAX} (got {self.gamma}); "
+                "it is the number of drafted tokens per round, set --gamma in that range"
+            )
+        object.__setattr__(self, "gamma", int(self.gamma))
+        _choice("drafter", self.drafter, DRAFTERS, "--drafter")
+        for name, flags in (
+            ("skip", "--skip-attn/--skip-mlp"),
+            ("draft_skip", "--draft-skip-attn/--draft-skip-mlp"),
+        ):
+            if not isinstance(getattr(self, name), SkipSet):
+                raise UserError(
+                    f"{name} must be a SkipSet (got {type(getattr(self, name)).__name__}); "
+                    f"build it with SkipSet.of(attn, mlp) or pass {flags}"
+                )
+        for name in ("tau_accept", "tau_escalate"):
+            value = _real(name, getattr(self, name))
+            if not (math.isfinite(value) and value >= 0):
+                flag = "--" + name.replace("_", "-")
+                raise UserError(
+                    f"thresholds must be >= 0 and finite: {name} ({flag}) is {value}; "
+                    "set it to a number such as 0.5"
+                )
+            object.__setattr__(self, name, value)
+        if self.tau_accept > self.tau_escalate:
+            raise UserError(
+                f"tau_accept ({self.tau_accept}) is above tau_escalate ({self.tau_escalate}); "
+                "tau_accept must be <= tau_escalate: lower --tau-accept or raise --tau-escalate"
+            )
+        _choice("kl", self.kl, KL_KINDS, "--kl")
+        if not isinstance(self.recheck, bool):
+            raise UserError(f"recheck must be true or false (got {self.recheck!r})")
+        confidence = _real("draft_confidence", self.draft_confidence)
+        if not (math.isfinite(confidence) and 0 <= confidence < 1):
+            raise UserError(
+                f"draft_confidence (--draft-confidence) must be in [0, 1) (got {confidence}); 0 turns it off, "
+                "e.g. 0.4 stops drafting once the drafter's top-1 probability is below 0.4"
+            )
+        object.__setattr__(self, "draft_confidence", confidence)
+
+    # ------------------------------------------------------------------------------------------- models
+
+    def validate(self, n_layers: int, draft_layers: int | None = None) -> DecodeConfig:
+        """The checks that need the models: ``n_layers`` is the target's layer count (the slim verifier's and the
+        self-draft's skip sets index it; 0 when neither is used), ``draft_layers`` the separate draft model's
+        (``None``: there is no draft model; 0 when its skip set is empty). Returns ``self``."""
+        if isinstance(draft_layers, bool):
+            raise TypeError(
+                "draft_layers is the draft model's layer count (None: no draft model), not a bool"
+            )
+        if self.mode == "ar":
+            return self
+        if self.drafter == "model":
+            if draft_layers is None:
+                raise UserError(
+                    "drafter 'model' needs a draft model; pass --draft, or use --draft-skip (self) or lookup"
+                )
+            if not self.draft_skip.is_empty:
+                self.draft_skip.validate(draft_layers)
+        if self.drafter == "self":
+            if self.draft_skip.is_empty:
+                raise UserError("the self-draft needs a skip set; pass --draft-skip-attn/--draft-skip-mlp")
+            self.draft_skip.validate(n_layers)
+        if self.mode == "viasd":
+            self.skip.validate(n_layers)
+        return self
+
+    # ------------------------------------------------------------------------------------------- profile
+
+    def to_profile(self) -> dict[str, Any]:
+        """The decoding fields of a profile (``mode``, ``gamma``, ``drafter``, ``routing``, ``thresholds``,
+        ``recheck``, ``draft_confidence`` and ``draft.kind``/skip set); the exporter adds models and metrics.
+        ``draft.name``/``fingerprint`` are the draft model's and are not part of the configuration."""
+        draft: dict[str, Any] = {"kind": self.drafter}
+        if self.drafter == "self" or (self.drafter == "model" and not self.draft_skip.is_empty):
+            draft.update(self.draft_skip.to_dict())
+        return {
+            "mode": self.mode,
+            "draft": draft,
+            "routing": self.skip.to_dict(),
+            "thresholds": {"tau_accept": self.tau_accept, "tau_escalate": self.tau_escalate, "kl": self.kl},
+            "gamma": self.gamma,
+            "drafter": self.drafter,
+            "recheck": self.recheck,
+            "draft_confidence": self.draft_confidence,
+        }
+
+    @classmethod
+    def from_profile(cls, profile: dict[str, Any]) -> DecodeConfig:
+        """The configuration a (schema-valid) profile pins. A profile without ``mode`` (written before it
+        existed) is VIA-SD; without ``recheck``/``draft_confidence``, they are off."""
+        draft, thresholds, routing = profile["draft"], profile["thresholds"], profile["routing"]
+        return cls(
+            mode=profile.get("mode", "viasd"),
+            gamma=profile["gamma"],
+            drafter=profile["drafter"],
+            skip=SkipSet.of(routing["skip_attn"], routing["skip_mlp"]),
+            draft_skip=SkipSet.of(draft.get("skip_attn", []), draft.get("skip_mlp", [])),
+            tau_accept=thresholds["tau_accept"],
+            tau_escalate=thresholds["tau_escalate"],
+            kl=thresholds["kl"],
+            recheck=profile.get("recheck", False),
+            draft_confidence=profile.get("draft_confidence", 0.0),
+        )
+
+    # ------------------------------------------------------------------------------------------- record
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat and JSON-able: a trial's user attr ``config`` (what the dashboard and ``export`` read) and
+        ``generate --json``'s ``config``. Skip sets become sorted ``skip_attn``/``skip_mlp`` and
+        ``draft_skip_attn``/``draft_skip_mlp`` lists."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, SkipSet):
+                prefix = "" if f.name == "skip" else "draft_"
+                out[f"{prefix}skip_attn"], out[f"{prefix}skip_mlp"] = sorted(value.attn), sorted(value.mlp)
+            else:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> DecodeConfig:
+        """Inverse of :meth:`to_dict`; a missing key takes its default (a trial recorded before the key
+        existed, e.g. without ``mode``, was VIA-SD)."""
+        kwargs = {
+            f.name: record[f.name]
+            for f in fields(cls)
+            if f.name not in ("skip", "draft_skip") and f.name in record
+        }
+        return cls(
+            **kwargs,
+            skip=SkipSet.of(record.get("skip_attn", ()), record.get("skip_mlp", ())),
+            draft_skip=SkipSet.of(record.get("draft_skip_attn", ()), record.get("draft_skip_mlp", ())),
+        )
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...], flag: str) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise UserError(f"unknown {name} {value!r}; use one of {_names(choices)} ({flag})")
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise UserError(f"{name} must be a number (got {value!r}); pass e.g. 0.5")
+    return float(value)

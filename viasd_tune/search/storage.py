@@ -1,0 +1,121 @@
+"""The one way to open Optuna storage: :func:`make_storage` (heartbeats, driver choice, one-line errors that
+never show a password), :func:`open_study` (create or resume a search's study) and :func:`load_study` (an
+existing study, for ``export``)."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+
+import optuna
+
+from ..errors import UserError
+from ..profile import redact_url
+
+
+def open_study(storage: str, name: str, seed: int, min_fidelity: float) -> optuna.Study:
+    """Create or resume a two-objective study (speedup, acceptance) with fidelity as a constraint (each trial
+    records it with ``trial.set_constraint``; the bound itself is the study's user attr ``min_fidelity``)."""
+    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.set_constraint values
+    try:
+        return optuna.create_study(
+            storage=make_storage(storage),
+            study_name=name,
+            directions=["maximize", "maximize"],
+            sampler=sampler,
+            load_if_exists=True,
+        )
+    except (optuna.exceptions.StorageInternalError, ImportError, ValueError) as e:
+        raise UserError(
+            f"cannot open Optuna storage {redact_url(storage)}: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def make_storage(url: str):
+    """RDB storage with heartbeats, so a trial whose worker died is failed and retried, not RUNNING forever.
+
+    ``VIASD_HEARTBEAT_INTERVAL`` / ``VIASD_GRACE_PERIOD`` (seconds) override the 30 s / 90 s defaults: a
+    dead worker's trial is retried ``grace`` seconds after its last heartbeat, so tests use a few seconds.
+    """
+    if "://" not in url:
+        raise UserError(
+            f"--storage {redact_url(url)!r} is not a storage URL; use sqlite:///path/to/study.db or "
+            "postgresql://user@host/db"
+        )
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+    interval, grace = env_seconds("VIASD_HEARTBEAT_INTERVAL", 30), env_seconds("VIASD_GRACE_PERIOD", 90)
+
+    def connect() -> RDBStorage:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(
+                _with_driver(url),
+                heartbeat_interval=interval,
+                grace_period=grace,
+                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
+                engine_kwargs={} if url.startswith("sqlite") else {"pool_pre_ping": True},
+            )
+
+    try:
+        try:
+            return connect()
+        except ImportError:
+            raise
+        except Exception:
+            time.sleep(1.0)  # N workers started at once on an empty database race to create its tables
+            return connect()
+    except Exception as e:  # sqlalchemy raises many types for an unreachable server or a bad URL
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if isinstance(e, ImportError):
+            first = (
+                "its database driver is not installed (for PostgreSQL: pip install 'viasd-tune[postgres]')"
+            )
+        # Driver messages can quote the URL, and so its password: never print that.
+        first = first.replace(url, redact_url(url)).replace(_with_driver(url), redact_url(url))
+        raise UserError(f"cannot open Optuna storage {redact_url(url)}: {first}") from None
+
+
+def _with_driver(url: str) -> str:
+    """SQLAlchemy 2.1 maps a bare ``postgresql://`` to psycopg 3; use psycopg2 (our ``postgres`` extra) when
+    only that one is installed, so the URL a user copies from the README works either way."""
+    import importlib.util
+
+    bare = url.startswith("postgresql://")
+    if bare and importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2"):
+        return "postgresql+psycopg2://" + url.removeprefix("postgresql://")
+    return url
+
+
+def env_seconds(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{name}={value!r} must be a whole number of seconds >= 1")
+    return int(value)
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URL (``None`` for in-memory or other back ends)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url.removeprefix("sqlite:///").split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
+def load_study(url: str, name: str) -> optuna.Study:
+    """An existing study; a missing SQLite file or study name is a one-line error, and nothing is created."""
+    db = sqlite_file(url)
+    if db is not None and not db.is_file():  # SQLAlchemy would create an empty one there
+        raise UserError(f"no Optuna database at {db}; check the path (a search writes <out>/study.db)")
+    storage = make_storage(url)
+    try:
+        return optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+        raise UserError(
+            f"no study {name!r} in that storage; studies there: {', '.join(names) or 'none'}"
+        ) from None
