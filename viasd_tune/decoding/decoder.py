@@ -3,73 +3,20 @@ the search and the runtime all call."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import time
 
 import torch
 from torch import nn
 
+from ..config import MODES, DecodeConfig
 from ..errors import UserError
 from ..models import context_length
-from ..routing import SkipSet, install_skipping, num_layers
+from ..routing import install_skipping, num_layers
 from . import ar, sd, viasd
-from .common import Result, Sampling, Stats
+from .common import CachedLM, Result, Sampling, Sequence, Stats
 from .drafters import LookupDrafter, ModelDrafter
 
-MODES = ("ar", "sd", "viasd")
-DRAFTERS = ("model", "self", "lookup")
-KL_KINDS = ("forward", "reverse", "js")
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Everything a profile pins about decoding, except the models themselves."""
-
-    mode: str = "viasd"
-    gamma: int = 5
-    drafter: str = "model"
-    skip: SkipSet = field(default_factory=SkipSet)  # the slim verifier's
-    draft_skip: SkipSet = field(default_factory=SkipSet)  # the self-draft's (drafter == "self")
-    tau_accept: float = 0.0
-    tau_escalate: float = 0.0
-    kl: str = "forward"
-
-    def validate(self, n_layers: int, has_draft_model: bool) -> DecodeConfig:
-        if self.mode not in MODES:
-            raise UserError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
-        if self.mode == "ar":
-            return self
-        if self.gamma < 1:
-            raise UserError(
-                f"gamma must be at least 1 (got {self.gamma}); it is the number of drafted tokens per round"
-            )
-        if self.drafter not in DRAFTERS:
-            raise UserError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)}")
-        if self.drafter == "model" and not has_draft_model:
-            raise UserError(
-                "drafter 'model' needs a draft model; pass --draft, or use --draft-skip (self) or lookup"
-            )
-        if self.drafter == "self":
-            if self.draft_skip.is_empty:
-                raise UserError("the self-draft needs a skip set; pass --draft-skip-attn/--draft-skip-mlp")
-            self.draft_skip.validate(n_layers)
-        if self.mode == "viasd":
-            if self.kl not in KL_KINDS:
-                raise UserError(f"unknown --kl {self.kl!r}; use one of {', '.join(KL_KINDS)}")
-            if self.tau_accept < 0 or self.tau_escalate < 0:
-                raise UserError("thresholds must be >= 0 (tau_accept and tau_escalate)")
-            if self.tau_accept > self.tau_escalate:
-                raise UserError(
-                    f"tau_accept ({self.tau_accept}) is above tau_escalate ({self.tau_escalate}); "
-                    "tau_accept must be <= tau_escalate"
-                )
-            self.skip.validate(n_layers)
-        return self
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["skip"] = self.skip.to_dict()
-        d["draft_skip"] = self.draft_skip.to_dict()
-        return d
+__all__ = ["MODES", "DecodeConfig", "Decoder"]
 
 
 class Decoder:
@@ -109,17 +56,14 @@ class Decoder:
             raise UserError("the prompt is empty; give at least one token of text")
         return torch.tensor(ids, dtype=torch.long, device=self.target.device)
 
-    def _drafter_factory(self, sampling: Sampling, gen):
+    def _drafter(self, full: CachedLM, sampling: Sampling, gen, stats: Stats, sync: bool):
         cfg = self.config
-
-        def make(stats: Stats):
-            if cfg.drafter == "lookup":
-                return LookupDrafter(stats)
-            if cfg.drafter == "self":
-                return ModelDrafter(self.target, sampling, gen, stats, skip=cfg.draft_skip)
-            return ModelDrafter(self.draft, sampling, gen, stats)
-
-        return make
+        if cfg.drafter == "lookup":
+            return LookupDrafter(stats)
+        if cfg.drafter == "self":
+            return ModelDrafter(full, sampling, gen, stats, skip=cfg.draft_skip, confidence=cfg.draft_confidence)
+        lm = CachedLM(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
+        return ModelDrafter(lm, sampling, gen, stats, confidence=cfg.draft_confidence)
 
     @torch.inference_mode()
     def generate(
@@ -130,8 +74,12 @@ class Decoder:
         top_p: float = 1.0,
         seed: int | None = None,
         chat: str = "auto",
+        tier_timing: bool = False,
     ) -> Result:
-        """Decode one request. ``prompt``: text, chat messages, or token ids. Returns ids, text and stats."""
+        """Decode one request. ``prompt``: text, chat messages, or token ids. Returns ids, text and stats.
+
+        Per-tier times (``*_time_s``) are exact on the CPU; on CUDA they need a synchronize after every forward,
+        which costs speed, so they are only measured with ``tier_timing``."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         if temperature < 0 or not 0 < top_p <= 1:
@@ -149,32 +97,25 @@ class Decoder:
             gen = torch.Generator(device=ids.device)
             gen.manual_seed(seed if seed is not None else torch.seed())
         cfg = self.config
+        start = time.perf_counter()
+        stats = Stats()
+        sync = tier_timing and ids.device.type == "cuda"
+        full = CachedLM(self.target, tier="full", stats=stats, sync=sync)
+        seq = Sequence(ids, capacity=len(ids) + max_new_tokens + cfg.gamma + 1)
         if cfg.mode == "ar":
-            result = ar.generate(self.target, ids, max_new_tokens, self.eos, sampling, gen)
-        elif cfg.mode == "sd":
-            result = sd.generate(
-                self.target,
-                self._drafter_factory(sampling, gen),
-                ids,
-                max_new_tokens,
-                self.eos,
-                cfg.gamma,
-                sampling,
-                gen,
-            )
+            result = ar.generate(full, seq, max_new_tokens, self.eos, sampling, gen)
         else:
-            routing = viasd.Routing(cfg.skip, cfg.tau_accept, cfg.tau_escalate, cfg.kl)
-            result = viasd.generate(
-                self.target,
-                self._drafter_factory(sampling, gen),
-                ids,
-                max_new_tokens,
-                self.eos,
-                cfg.gamma,
-                routing,
-                sampling,
-                gen,
-            )
+            drafter = self._drafter(full, sampling, gen, stats, sync)
+            if (cfg.mode == "viasd" or drafter.kind == "self") and len(ids) > 1:
+                # Other passes share the target's cache: the target reads the prompt once, before them.
+                full.forward(seq.ids[:-1], keep=1, tier="prefill")
+            if cfg.mode == "sd":
+                result = sd.generate(full, drafter, seq, max_new_tokens, self.eos, cfg.gamma, sampling, gen)
+            else:
+                result = viasd.generate(full, drafter, seq, max_new_tokens, self.eos, cfg, sampling, gen)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats.wall_time_s = time.perf_counter() - start  # prefill included, as in every baseline we compare with
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result
