@@ -154,7 +154,7 @@ def test_rollback_matches_cache_free_recompute(case):
     rng = random.Random(zlib.crc32(case_id(case).encode()))
     lm = CachedLM(model, skip)
     seq = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 6))]
-    fed_since_crop = 0  # tokens fed since the last rollback that cropped the cache
+    fed_since_crop = 0  # tokens fed since the last rollback: the decoders never roll back past one
     max_len = 0
     for step in range(14):
         # Feed a chunk: the first few rounds grow the sequence past the sliding window.
@@ -172,12 +172,15 @@ def test_rollback_matches_cache_free_recompute(case):
         max_len = max(max_len, len(seq))
         check_cache_matches_fresh(model, skip, lm, seq)
 
-        # Roll back by a random amount within what was fed since the last crop (0 included), as the decoders do.
+        # Roll back by a random amount within what was fed since the last rollback (0 included), as the decoders do.
         back = rng.choice([0, rng.randint(0, fed_since_crop)])
         lm.rollback(lm.seen - back)
         assert lm.seen == len(seq) - back
+        fed_since_crop = 0
+        for i, lay in enumerate(lm.cache.layers):  # bounded by the window however long the sequence grows
+            if is_sliding(model, i) and lay.is_initialized:
+                assert lay.keys.shape[-2] <= WINDOW - 1, f"layer {i} keeps {lay.keys.shape[-2]} positions"
         if back:
-            fed_since_crop = 0
             seq = seq[: lm.seen]
             check_cache_matches_fresh(model, skip, lm, seq)
             # The next forward feeds only the tokens after the rollback point, which may differ from before.
@@ -193,7 +196,7 @@ def test_rollback_matches_cache_free_recompute(case):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma3-mixed"])
 @torch.inference_mode()
-def test_rollback_at_or_past_seen_is_a_noop(arch):
+def test_rollback_at_or_past_seen_only_trims_to_the_window(arch):
     model = get_model(arch)
     skip = SkipSet.of([0])
     seq = [(7 * i) % (VOCAB - 3) + 3 for i in range(WINDOW + 9)]
@@ -205,9 +208,13 @@ def test_rollback_at_or_past_seen_is_a_noop(arch):
     for length in (len(seq), len(seq) + 1, len(seq) + 50):
         lm.rollback(length)
         assert lm.seen == len(seq)
-    for lay, kv in zip(lm.cache.layers, before, strict=True):
+    for i, (lay, kv) in enumerate(zip(lm.cache.layers, before, strict=True)):
         if kv is None:
             assert not lay.is_initialized
+        elif is_sliding(model, i):  # only trimmed to the window: the positions it keeps are untouched
+            n = lay.keys.shape[-2]
+            assert n == WINDOW - 1
+            assert torch.equal(lay.keys, kv[0][..., -n:, :]) and torch.equal(lay.values, kv[1][..., -n:, :])
         else:
             assert torch.equal(lay.keys, kv[0]) and torch.equal(lay.values, kv[1])
     # Still consistent: one more token gives the cache-free logits.

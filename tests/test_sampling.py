@@ -13,14 +13,16 @@ import sys
 import pytest
 import torch
 from conftest import tiny_model
+from transformers import DynamicCache
 
 from viasd_tune.config import DecodeConfig
-from viasd_tune.decoding import sd
+from viasd_tune.decoding import common, sd
 from viasd_tune.decoding.common import Sampling, accept_mask, probs_from_logits, residual_sample
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.routing import SkipSet, skipping
 
 V = 8
+INF = sys.float_info.max  # thresholds must be finite; this one routes every divergence the same way
 
 # Upper 0.1 % points of the chi-square distribution, chi2.ppf(0.999, df) (scipy.stats; checked below when scipy
 # is installed). A correct rule fails a single test with probability 0.001 for a given seed.
@@ -207,7 +209,7 @@ def test_sd_verify_is_exact(sampling, monkeypatch):
     def bad_accept(p, q, tokens, sampling, gen):
         return torch.rand(tokens.shape, generator=gen) < p.gather(-1, tokens[:, None]).squeeze(-1)
 
-    monkeypatch.setattr(sd, "accept_mask", bad_accept)
+    monkeypatch.setattr(common, "accept_mask", bad_accept)
     bad = verify_histograms(p_logits, q_logits, lambda t: drafts[t], sampling, 1500, gen)
     assert not fits(bad[0], p[0])
 
@@ -233,7 +235,7 @@ def test_sd_verify_one_hot_draft_is_exact(monkeypatch):
     def bad_correction(p_row, q_row, token, sampling, gen):
         return torch.multinomial(p_row, 1, generator=gen).squeeze(-1)
 
-    monkeypatch.setattr(sd, "correction", bad_correction)
+    monkeypatch.setattr(common, "correction", bad_correction)
     drafts = torch.tensor([likely, 0])
     bad = verify_histograms(p_logits, None, lambda t: drafts, sampling, 1500, gen)
     assert not fits(bad[0], p[0])
@@ -255,9 +257,16 @@ def small_vocab_pair():
 
 
 @torch.inference_mode()
-def next_token_logits(model, skip: SkipSet | None = None) -> torch.Tensor:
+def next_token_logits(model, skip: SkipSet | None = None, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """Next-token logits after ``prompt``; under ``skip``, as the slim verifier computes them: over the full
+    model's KV of all but the last token, which the target prefilled."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([prompt[:-1]]), cache=cache, use_cache=True)
     with skipping(model, skip):
-        return model(input_ids=torch.tensor([PROMPT])).logits[0, -1].float()
+        out = model(
+            input_ids=torch.tensor([prompt[-1:]]), position_ids=torch.tensor([[len(prompt) - 1]]), cache=cache
+        )
+    return out.logits[0, -1].float()
 
 
 def first_token_histogram(decoder: Decoder, sampling: Sampling) -> torch.Tensor:
@@ -280,6 +289,16 @@ CONFIGS = {
     "viasd-escalate0": (
         DecodeConfig(mode="viasd", gamma=2, skip=SkipSet.of([0], [1]), tau_accept=0.0, tau_escalate=0.0),
         Sampling(1.0, 1.0),
+    ),
+    # Recheck makes the lossy tiers exact: every token settled directly (drawn from q) or by the slim verifier
+    # (drawn from p_slim) is re-checked by the target against the distribution it was drawn from.
+    "viasd-recheck-direct": (
+        DecodeConfig(mode="viasd", gamma=2, skip=SkipSet.of([0], [1]), tau_accept=INF, tau_escalate=INF, recheck=True),
+        Sampling(1.0, 1.0),
+    ),
+    "viasd-recheck-slim": (
+        DecodeConfig(mode="viasd", gamma=2, skip=SkipSet.of([0], [1]), tau_accept=0.0, tau_escalate=INF, recheck=True),
+        Sampling(0.8, 0.9),
     ),
 }
 
@@ -312,3 +331,24 @@ def test_slim_verifier_samples_the_slim_model_exactly(small_vocab_pair):
         or N_SEEDS * ((slim - full) ** 2 / full).sum() > 3 * CHI2_CRIT_P001[7]
     )
     check_end_to_end(decoder, slim, probs_from_logits(next_token_logits(draft), sampling), sampling)
+
+
+@pytest.mark.parametrize("name", ["viasd-recheck-direct", "viasd-recheck-slim"])
+def test_recheck_second_token_follows_target(small_vocab_pair, name):
+    """The second token too: it was settled in the same round as the first, or after a rollback of it, and its
+    marginal must be the target's, sum over x of p(x) p(· | x)."""
+    target, draft = small_vocab_pair
+    config, sampling = CONFIGS[name]
+    decoder = Decoder(target, None, config, draft=draft, eos=set())
+    first = probs_from_logits(next_token_logits(target), sampling)
+    second = sum(
+        first[x] * probs_from_logits(next_token_logits(target, prompt=PROMPT + [x]), sampling) for x in range(V)
+    )
+    hist = torch.zeros(V, dtype=torch.long)
+    rollbacks = 0
+    for seed in range(N_SEEDS):
+        out = decoder.generate(PROMPT, 2, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+        hist[out.token_ids[1]] += 1
+        rollbacks += out.stats.rollbacks
+    assert rollbacks > N_SEEDS // 10  # the lossy tiers really disagreed, so the re-check had work to do
+    assert_fits(hist, second, f"{name} second token")

@@ -4,7 +4,7 @@ The slim verifier (and the self-draft) is the *same* module as the full target: 
 copied. Each decoder layer's ``self_attn`` and ``mlp`` get a thin wrapper, installed once, that reads the skip
 set active on the model (set by :func:`skipping`). A skipped sub-layer returns zeros, so the residual stream
 passes through unchanged (``h + 0``); for Gemma-3 the post-norm of zeros is zero too. A skipped attention never
-touches the KV cache, which is why each tier keeps its own :class:`SkipAwareCache`.
+touches the KV cache, so the full target, the slim verifier and the self-draft share one :class:`SharedKVCache`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class SkipSet:
     def parse(cls, attn: str | None, mlp: str | None) -> SkipSet:
         """Parse CLI lists such as ``"3,5,7"`` or ranges ``"3-7"``."""
         return cls.of(_parse_indices(attn, "--skip-attn"), _parse_indices(mlp, "--skip-mlp"))
+
+    def __or__(self, other: SkipSet) -> SkipSet:
+        return SkipSet(self.attn | other.attn, self.mlp | other.mlp)
 
     @property
     def is_empty(self) -> bool:
@@ -139,26 +142,91 @@ def skipping(model: nn.Module, skip: SkipSet | None) -> Iterator[None]:
         model._viasd_active_skip = previous
 
 
-class SkipAwareCache(DynamicCache):
-    """A DynamicCache whose length and mask sizes come from layers that actually run.
+class SharedKVCache(DynamicCache):
+    """One model's KV cache, shared by its full passes and by passes that skip sub-layers (slim verifier,
+    self-draft), as Self-SD, SWIFT and LayerSkip do.
 
-    transformers sizes masks from one reference layer (layer 0, or the first full-attention layer). When that
-    layer's attention is skipped its cache stays empty and every mask would be wrong, so lookups are redirected
-    to the first running attention layer of the same kind (full or sliding).
+    ``committed``: every layer the full pass runs holds entries that a full pass wrote for positions
+    ``[0, committed)``. A pass that skips sub-layers reads those, writes speculative entries beyond them in the
+    layers whose attention it runs, and nothing elsewhere, so layers can differ in length; :meth:`begin` crops the
+    layers a pass runs to one start and points transformers' mask and length lookups at a layer that runs.
+    The full pass always starts at ``committed``: it never attends to a speculative entry.
     """
 
-    def __init__(self, config, skip: SkipSet | None = None):
+    def __init__(self, config, base: SkipSet | None = None):
         super().__init__(config=config)
-        attn_skipped = skip.attn if skip is not None else frozenset()
-        self._ref = list(range(len(self.layers)))
-        any_running = [i for i in range(len(self.layers)) if i not in attn_skipped]
-        for kind in (True, False):
-            same = [i for i, lay in enumerate(self.layers) if lay.is_sliding == kind]
-            running = [i for i in same if i not in attn_skipped] or any_running[:1]
-            for i in same:
-                self._ref[i] = running[0] if running else i
-        # Sliding-window layers must keep the past until we crop, or a rejected draft could not be rolled back.
+        # Sliding-window layers must keep their past until we trim it, or a rejected draft could not be rolled
+        # back; :meth:`rollback` trims them to what a later crop can still need.
         self.activate_past_recording()
+        self.base = base or SkipSet()  # what "full" means for this cache: a draft model may run with a skip set
+        self.committed = 0
+        self._ref = list(range(len(self.layers)))
+        self._refs: dict[SkipSet, list[int]] = {}
+
+    def running(self, skip: SkipSet | None) -> list[int]:
+        """Layers whose attention runs (and so reads and writes this cache) under ``skip`` (None: full)."""
+        skipped = self.base.attn | (skip.attn if skip is not None else frozenset())
+        return [i for i in range(len(self.layers)) if i not in skipped]
+
+    def length(self, layer_idx: int) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+    def begin(self, skip: SkipSet | None) -> int:
+        """Prepare a forward under ``skip`` (None: the full pass) and return the position it starts feeding at.
+
+        The full pass starts at ``committed``; a skip pass where its running layers agree, which is at least
+        ``committed`` (its own speculative entries beyond it stay valid until a rollback or another pass crops them).
+        """
+        running = self.running(skip)
+        lengths = [self.length(i) for i in running]
+        start = self.committed if skip is None else min(lengths, default=self.committed)
+        for i in running:
+            self._crop_layer(i, start)
+        self._ref = self._refs.get(skip) or self._refs.setdefault(skip, self._reference_layers(running))
+        return start
+
+    def discard(self, skip: SkipSet) -> None:
+        """Drop the speculative entries of the layers ``skip`` runs (a self-draft cleans up after drafting)."""
+        for i in self.running(skip):
+            self._crop_layer(i, self.committed)
+
+    def rollback(self, length: int, floor: int | None = None) -> None:
+        """Forget every entry at positions >= ``length``, then trim sliding layers to what a later crop can still
+        need: no crop goes below ``floor`` (default: ``committed``; a draft model's cache passes the target's,
+        since a re-check can roll back that far)."""
+        for i in range(len(self.layers)):
+            self._crop_layer(i, length)
+        self.committed = min(self.committed, length)
+        floor = self.committed if floor is None else min(floor, self.committed)
+        for lay in self.layers:
+            if lay.is_sliding and lay.is_initialized:
+                # Positions below floor - (window - 1) are never attended again: keep the rest only.
+                keep = lay.get_seq_length() - max(0, floor - (lay.sliding_window - 1))
+                if lay.keys.shape[-2] > keep:
+                    lay.keys, lay.values = lay.keys[..., -keep:, :], lay.values[..., -keep:, :]
+
+    def _crop_layer(self, i: int, length: int) -> None:
+        lay = self.layers[i]
+        drop = lay.get_seq_length() - length
+        if drop <= 0 or not lay.is_initialized:
+            return
+        # Sliced by hand: transformers' sliding-layer crop also trims to the window, losing entries a later crop
+        # back to ``committed`` still needs.
+        lay.keys, lay.values = lay.keys[..., :-drop, :], lay.values[..., :-drop, :]
+        if lay.is_sliding:
+            lay.cumulative_length -= drop
+            # A rollback below the floor the last trim kept would have lost entries the window still needs.
+            assert lay.keys.shape[-2] >= min(length, lay.sliding_window - 1), "cropped below the trim floor"
+
+    def _reference_layers(self, running: list[int]) -> list[int]:
+        """transformers sizes masks from one layer of each kind (full / sliding): use one that runs."""
+        ref = list(range(len(self.layers)))
+        for sliding in (True, False):
+            same = [i for i, lay in enumerate(self.layers) if lay.is_sliding == sliding]
+            live = [i for i in same if i in running] or running[:1]
+            for i in same:
+                ref[i] = live[0] if live else i
+        return ref
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return super().get_seq_length(self._ref[layer_idx] if layer_idx < len(self._ref) else layer_idx)
@@ -167,9 +235,3 @@ class SkipAwareCache(DynamicCache):
         return super().get_mask_sizes(
             query_length, self._ref[layer_idx] if layer_idx < len(self._ref) else layer_idx
         )
-
-    def crop(self, tokens_to_remove: int) -> None:
-        # Layers whose attention is skipped were never initialised; transformers' sliding layer cannot crop those.
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.crop(tokens_to_remove)

@@ -1,5 +1,5 @@
-"""Pieces every decoding mode shares: a model with its own lagging KV cache, sampling rules, divergences,
-per-tier statistics and the outer loop that stops cleanly on EOS and max-new-tokens."""
+"""Pieces every decoding mode shares: the token buffer, a model over its one shared KV cache, sampling rules,
+divergences, per-tier statistics and the outer loop that stops cleanly on EOS and max-new-tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..routing import SkipAwareCache, SkipSet, skipping
+from ..routing import SharedKVCache, SkipSet, skipping
 
 # Tier labels for each emitted token.
 DIRECT, SLIM, FULL = 0, 1, 2
@@ -44,14 +44,20 @@ class Stats:
     draft_calls: int = 0
     slim_calls: int = 0
     full_calls: int = 0
+    prefill_calls: int = 0
     draft_tokens_processed: int = 0
     slim_tokens_processed: int = 0
     full_tokens_processed: int = 0
+    prefill_tokens_processed: int = 0
     drafted: int = 0
     rounds: int = 0
+    rechecked: int = 0  # settled tokens a full pass re-checked (recheck on)
+    rollbacks: int = 0  # re-checks that found a token the target would not emit
+    rolled_back_tokens: int = 0  # emitted tokens those rollbacks removed
     draft_time_s: float = 0.0
     slim_time_s: float = 0.0
     full_time_s: float = 0.0
+    prefill_time_s: float = 0.0
     wall_time_s: float = 0.0
 
     @property
@@ -71,6 +77,11 @@ class Stats:
         d["tokens_per_s"] = self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
         return d
 
+    def count(self, tier: str, tokens: int, seconds: float) -> None:
+        setattr(self, f"{tier}_calls", getattr(self, f"{tier}_calls") + 1)
+        setattr(self, f"{tier}_tokens_processed", getattr(self, f"{tier}_tokens_processed") + tokens)
+        setattr(self, f"{tier}_time_s", getattr(self, f"{tier}_time_s") + seconds)
+
 
 @dataclass
 class Result:
@@ -80,52 +91,112 @@ class Result:
     text: str = ""
 
 
-class CachedLM:
-    """A causal LM (optionally with sub-layers skipped) and its own KV cache over a prefix of the sequence.
+class Sequence:
+    """Prompt and emitted tokens in one preallocated device buffer (as gpt-fast does), so a round writes its drafts
+    in place instead of concatenating the whole sequence; ``tokens`` mirrors it on the host for prompt lookup and
+    the result, so neither needs a device read."""
 
-    ``seen`` counts the tokens already in the cache. :meth:`forward` feeds only the tokens after ``seen``, so a
-    tier that sat out some rounds catches up in one batched forward. :meth:`rollback` drops rejected tokens.
+    def __init__(self, prompt: torch.Tensor, capacity: int):
+        self.buf = torch.zeros(capacity, dtype=torch.long, device=prompt.device)
+        self.buf[: prompt.numel()] = prompt
+        self.tokens: list[int] = prompt.tolist()
+        self.prompt_len = prompt.numel()
+        self.tiers: list[int] = []  # one per emitted token
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.buf[: self.length]
+
+    @property
+    def emitted(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def with_drafts(self, drafts: torch.Tensor) -> torch.Tensor:
+        """The sequence followed by ``drafts`` (written into the buffer after it; not committed)."""
+        end = self.length + drafts.numel()
+        self.buf[self.length : end] = drafts
+        return self.buf[:end]
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+        del self.tiers[max(0, length - self.prompt_len) :]
+
+    def append(self, tokens: list[int], tiers: list[int]) -> None:
+        if tokens:
+            self.buf[self.length : self.length + len(tokens)] = torch.tensor(tokens, device="cpu")
+            self.tokens += tokens
+            self.tiers += tiers
+
+
+class CachedLM:
+    """A causal LM and its one KV cache (:class:`SharedKVCache`), over a prefix of the sequence.
+
+    :meth:`forward` is the full pass (under the cache's base skip set, empty for the target): it feeds every token
+    after ``committed``, so a full target that sat out some rounds catches up in one batched forward.
+    :meth:`speculate` runs the same model with sub-layers skipped over the same cache: it reads the committed
+    entries and feeds only what its running layers have not seen. :meth:`rollback` drops rejected tokens.
     """
 
     def __init__(
-        self, model: nn.Module, skip: SkipSet | None = None, tier: str = "full", stats: Stats | None = None
+        self,
+        model: nn.Module,
+        skip: SkipSet | None = None,
+        tier: str = "full",
+        stats: Stats | None = None,
+        sync: bool = False,
     ):
         self.model = model
-        self.skip = skip
+        self.skip = skip or SkipSet()  # the full pass's own skip set (a draft model may run with one)
         self.tier = tier
         self.stats = stats if stats is not None else Stats()
-        self.cache = SkipAwareCache(model.config, skip)
-        self.seen = 0
-        self._sync = model.device.type == "cuda"  # wall time per tier is only honest after a sync on GPU
+        self.cache = SharedKVCache(model.config, self.skip)
+        self.sync = sync  # per-tier wall time on CUDA is only honest after a synchronize; off unless asked
 
-    def forward(self, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
-        """Feed ``ids[seen:]`` (``ids``: 1-D, the whole sequence); return float logits ``[n_new or keep, V]``."""
-        new = ids[self.seen :]
+    @property
+    def committed(self) -> int:
+        """Tokens whose full-pass entries are cached."""
+        return self.cache.committed
+
+    seen = committed
+
+    def forward(self, ids: torch.Tensor, keep: int | None = None, tier: str | None = None) -> torch.Tensor:
+        """Full pass over ``ids[committed:]`` (``ids``: 1-D, the whole sequence); float logits ``[n_new or keep, V]``."""
+        start = self.cache.begin(None)
+        logits = self._run(ids, start, self.skip, tier or self.tier, keep)
+        self.cache.committed = ids.numel()
+        return logits
+
+    def speculate(self, ids: torch.Tensor, skip: SkipSet, tier: str, keep: int | None = None) -> torch.Tensor:
+        """A pass under ``skip`` over the committed entries: feeds only what its running layers have not seen and
+        writes speculative entries in those layers alone."""
+        start = self.cache.begin(self.skip | skip)
+        return self._run(ids, start, self.skip | skip, tier, keep)
+
+    def _run(self, ids: torch.Tensor, start: int, skip: SkipSet, tier: str, keep: int | None) -> torch.Tensor:
+        new = ids[start:]
         assert new.numel() > 0, "nothing new to feed"
-        start = time.perf_counter()
-        pos = torch.arange(self.seen, ids.numel(), device=ids.device).unsqueeze(0)
-        with skipping(self.model, self.skip):
+        t0 = time.perf_counter()
+        pos = torch.arange(start, ids.numel(), device=ids.device).unsqueeze(0)
+        with skipping(self.model, skip):
             out = self.model(
-                input_ids=new.unsqueeze(0),
-                position_ids=pos,
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=keep or 0,
+                input_ids=new.unsqueeze(0), position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=keep or 0
             )
-        self.seen = ids.numel()
-        if self._sync:
+        if self.sync:
             torch.cuda.synchronize()
-        s = self.stats
-        setattr(s, f"{self.tier}_calls", getattr(s, f"{self.tier}_calls") + 1)
-        setattr(s, f"{self.tier}_tokens_processed", getattr(s, f"{self.tier}_tokens_processed") + new.numel())
-        setattr(s, f"{self.tier}_time_s", getattr(s, f"{self.tier}_time_s") + time.perf_counter() - start)
+        self.stats.count(tier, new.numel(), time.perf_counter() - t0)
         return out.logits[0].float()
 
-    def rollback(self, length: int) -> None:
-        """Keep the cache for the first ``length`` tokens only."""
-        if length < self.seen:
-            self.cache.crop(length - self.seen)
-            self.seen = length
+    def discard(self, skip: SkipSet) -> None:
+        """Drop what a pass under ``skip`` wrote beyond the committed entries."""
+        self.cache.discard(self.skip | skip)
+
+    def rollback(self, length: int, floor: int | None = None) -> None:
+        """Keep the cache for the first ``length`` tokens only (later rollbacks stay at or above ``floor``)."""
+        self.cache.rollback(length, floor)
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -217,43 +288,86 @@ def divergence(
     return d.clamp_min(0.0)
 
 
-RoundFn = Callable[[torch.Tensor], tuple[list[int], list[int]]]
+def verify_rows(
+    p_logits: torch.Tensor, r: torch.Tensor | None, tokens: torch.Tensor, sampling: Sampling, gen
+) -> tuple[int, int]:
+    """Target-verify ``tokens`` (m proposals) given the target's logits at the m+1 positions that predict them and
+    the next token, and the distributions the proposals were drawn from (rows of ``r``; ``None``: greedy, or
+    one-hot proposals). Returns (how many are accepted, the target's token after them: correction or bonus).
+
+    The standard speculative-sampling rule, exact for any proposal that depends only on the prefix; greedy: the
+    target's argmax. Greedy costs one host read (the count and the next token together).
+    """
+    m = tokens.numel()
+    if sampling.greedy:
+        choice = p_logits.argmax(-1)  # [m+1]
+        n = (choice[:m] == tokens).cumprod(0).sum()
+        n, last = torch.stack([n, choice[n]]).tolist()
+        return n, last
+    p = probs_from_logits(p_logits, sampling)
+    n = int(accept_mask(p[:m], r, tokens, sampling, gen).cumprod(0).sum())
+    rejected = tokens[n] if n < m else None
+    last = correction(p[n], None if r is None or n == m else r[n], rejected, sampling, gen)
+    return n, int(last)
+
+
+@dataclass
+class Round:
+    """What one round decided: keep the sequence's first ``keep`` tokens (fewer than it has when a re-check
+    rolled back slim-settled tokens), then append ``tokens``, each decided by the tier in ``tiers``."""
+
+    keep: int
+    tokens: list[int]
+    tiers: list[int]
+
+
+RoundFn = Callable[[Sequence], Round]
 
 
 def run_rounds(
     round_fn: RoundFn,
-    input_ids: torch.Tensor,
+    seq: Sequence,
     max_new_tokens: int,
     eos_ids: set[int],
-    stats: Stats,
-    models: list[CachedLM],
+    full: CachedLM,
+    drafter=None,
+    flush: Callable[[Sequence], Round | None] | None = None,
 ) -> Result:
-    """Call ``round_fn(seq) -> (tokens, tiers)`` until EOS or ``max_new_tokens``; truncate the last round there.
+    """Call ``round_fn(seq)`` until EOS or ``max_new_tokens``, cutting the last round there. Then, if ``flush`` is
+    given (VIA-SD with recheck), let it re-check what no full pass has verified yet; a rollback resumes decoding.
 
     After each round every model's cache is rolled back to the longest prefix that is still valid, i.e. the
-    accepted sequence without its last token (which no model has seen yet).
+    sequence without its last token (which no model has seen yet); no later rollback goes below what the full
+    target has committed.
     """
-    start = time.perf_counter()
-    seq = input_ids
-    out: list[int] = []
-    tiers: list[int] = []
-    while len(out) < max_new_tokens:
-        tokens, round_tiers = round_fn(seq)
-        stats.rounds += 1
-        room = max_new_tokens - len(out)
-        tokens, round_tiers = tokens[:room], round_tiers[:room]
+    stats = full.stats
+
+    def done() -> bool:
+        n = seq.length - seq.prompt_len
+        return n >= max_new_tokens or (n > 0 and seq.tokens[-1] in eos_ids)
+
+    def apply(r: Round) -> None:
+        seq.truncate(r.keep)
+        tokens, tiers = r.tokens[: max_new_tokens - (seq.length - seq.prompt_len)], r.tiers
         stop = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
         if stop is not None:
-            tokens, round_tiers = tokens[: stop + 1], round_tiers[: stop + 1]
-        out += tokens
-        tiers += round_tiers
-        seq = torch.cat([seq, torch.tensor(tokens, dtype=seq.dtype, device=seq.device)])
-        for m in models:
-            m.rollback(seq.numel() - 1)
-        if stop is not None:
+            tokens = tokens[: stop + 1]
+        seq.append(tokens, tiers[: len(tokens)])
+        full.rollback(seq.length - 1)
+        if drafter is not None:
+            drafter.rollback(seq.length - 1, floor=full.committed)
+
+    while True:
+        while not done():
+            apply(round_fn(seq))
+            stats.rounds += 1
+        r = flush(seq) if flush is not None else None
+        if r is None:
             break
+        apply(r)
+        stats.rounds += 1
+    out = seq.emitted
     stats.new_tokens = len(out)
     for tier, name in enumerate(TIERS):
-        setattr(stats, f"tokens_{name}", sum(1 for t in tiers if t == tier))
-    stats.wall_time_s = time.perf_counter() - start
-    return Result(out, stats, tiers)
+        setattr(stats, f"tokens_{name}", seq.tiers.count(tier))
+    return Result(out, stats, list(seq.tiers))

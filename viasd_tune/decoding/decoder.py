@@ -3,6 +3,8 @@ the search and the runtime all call."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ from ..errors import UserError
 from ..models import context_length
 from ..routing import install_skipping, num_layers
 from . import ar, sd, viasd
-from .common import Result, Sampling, Stats
+from .common import CachedLM, Result, Sampling, Sequence, Stats
 from .drafters import LookupDrafter, ModelDrafter
 
 __all__ = [
@@ -70,17 +72,14 @@ class Decoder:
             raise UserError("the prompt is empty; give at least one token of text")
         return torch.tensor(ids, dtype=torch.long, device=self.target.device)
 
-    def _drafter_factory(self, sampling: Sampling, gen):
+    def _drafter(self, full: CachedLM, sampling: Sampling, gen, stats: Stats, sync: bool):
         cfg = self.config
-
-        def make(stats: Stats):
-            if cfg.drafter == "lookup":
-                return LookupDrafter(stats)
-            if cfg.drafter == "self":
-                return ModelDrafter(self.target, sampling, gen, stats, skip=cfg.draft_skip)
-            return ModelDrafter(self.draft, sampling, gen, stats)
-
-        return make
+        if cfg.drafter == "lookup":
+            return LookupDrafter(stats)
+        if cfg.drafter == "self":
+            return ModelDrafter(full, sampling, gen, stats, skip=cfg.draft_skip, confidence=cfg.draft_confidence)
+        lm = CachedLM(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
+        return ModelDrafter(lm, sampling, gen, stats, confidence=cfg.draft_confidence)
 
     @torch.inference_mode()
     def generate(
@@ -91,8 +90,12 @@ class Decoder:
         top_p: float = 1.0,
         seed: int | None = None,
         chat: str = "auto",
+        tier_timing: bool = False,
     ) -> Result:
-        """Decode one request. ``prompt``: text, chat messages, or token ids. Returns ids, text and stats."""
+        """Decode one request. ``prompt``: text, chat messages, or token ids. Returns ids, text and stats.
+
+        Per-tier times (``*_time_s``) are exact on the CPU; on CUDA they need a synchronize after every forward,
+        which costs speed, so they are only measured with ``tier_timing``."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         if temperature < 0 or not 0 < top_p <= 1:
@@ -110,32 +113,25 @@ class Decoder:
             gen = torch.Generator(device=ids.device)
             gen.manual_seed(seed if seed is not None else torch.seed())
         cfg = self.config
+        start = time.perf_counter()
+        stats = Stats()
+        sync = tier_timing and ids.device.type == "cuda"
+        full = CachedLM(self.target, tier="full", stats=stats, sync=sync)
+        seq = Sequence(ids, capacity=len(ids) + max_new_tokens + cfg.gamma + 1)
         if cfg.mode == "ar":
-            result = ar.generate(self.target, ids, max_new_tokens, self.eos, sampling, gen)
-        elif cfg.mode == "sd":
-            result = sd.generate(
-                self.target,
-                self._drafter_factory(sampling, gen),
-                ids,
-                max_new_tokens,
-                self.eos,
-                cfg.gamma,
-                sampling,
-                gen,
-            )
+            result = ar.generate(full, seq, max_new_tokens, self.eos, sampling, gen)
         else:
-            routing = viasd.Routing(cfg.skip, cfg.tau_accept, cfg.tau_escalate, cfg.kl)
-            result = viasd.generate(
-                self.target,
-                self._drafter_factory(sampling, gen),
-                ids,
-                max_new_tokens,
-                self.eos,
-                cfg.gamma,
-                routing,
-                sampling,
-                gen,
-            )
+            drafter = self._drafter(full, sampling, gen, stats, sync)
+            if (cfg.mode == "viasd" or drafter.kind == "self") and len(ids) > 1:
+                # Other passes share the target's cache: the target reads the prompt once, before them.
+                full.forward(seq.ids[:-1], keep=1, tier="prefill")
+            if cfg.mode == "sd":
+                result = sd.generate(full, drafter, seq, max_new_tokens, self.eos, cfg.gamma, sampling, gen)
+            else:
+                result = viasd.generate(full, drafter, seq, max_new_tokens, self.eos, cfg, sampling, gen)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats.wall_time_s = time.perf_counter() - start  # prefill included, as in every baseline we compare with
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result

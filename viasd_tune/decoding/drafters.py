@@ -1,61 +1,78 @@
-"""Draft sources: a separate draft model, the target's own self-draft (many sub-layers skipped), and prompt
-lookup. Each proposes up to γ tokens and the logits it drew them from (``None`` for a one-hot proposal)."""
+"""Draft sources: a separate draft model, the target's own self-draft (many sub-layers skipped, over the target's
+KV cache), and prompt lookup. Each proposes up to γ tokens and the logits it drew them from (``None`` for a
+one-hot proposal); with ``confidence`` > 0 a model drafter stops early once its pick is that unlikely, as HF's
+assisted generation does."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from ..routing import SkipSet
-from .common import CachedLM, Sampling, Stats, pick
+from .common import CachedLM, Sampling, Sequence, Stats, pick
 
 
 class Drafter(Protocol):
     kind: str
 
-    def draft(self, seq: torch.Tensor, gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def draft(self, seq: Sequence, gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def rollback(self, length: int) -> None: ...
+    def rollback(self, length: int, floor: int) -> None: ...
 
 
 class ModelDrafter:
-    """Autoregressive drafting with a causal LM (a separate model, or the target under a skip set)."""
+    """Autoregressive drafting with a causal LM: a separate model over its own cache (``skip=None``), or the
+    target itself under ``skip`` over the target's cache, reading its committed entries and dropping what it
+    wrote once the round's drafts are out (the slim verifier must not read a drafter's entries)."""
 
     def __init__(
         self,
-        model: nn.Module,
+        lm: CachedLM,
         sampling: Sampling,
         gen: torch.Generator | None,
         stats: Stats,
         skip: SkipSet | None = None,
+        confidence: float = 0.0,
     ):
         self.kind = "self" if skip is not None else "model"
-        self.lm = CachedLM(model, skip, tier="draft", stats=stats)
-        self.sampling = sampling
-        self.gen = gen
+        self.lm, self.skip = lm, skip
+        self.sampling, self.gen, self.stats = sampling, gen, stats
+        self.confidence = confidence
 
-    def draft(self, seq: torch.Tensor, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """γ tokens and the logits each was drawn from; the last token is not fed back (gpt-fast does the same)."""
-        tokens, logits = [], []
-        ids = seq
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.skip is None:
+            return self.lm.forward(ids, keep=1, tier="draft")[-1]
+        return self.lm.speculate(ids, self.skip, tier="draft", keep=1)[-1]
+
+    def draft(self, seq: Sequence, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to γ tokens (written into the buffer after the sequence) and the logits each was drawn from; the
+        last token is not fed back (gpt-fast does the same)."""
+        if self.skip is not None:
+            self.lm.discard(self.skip)  # start from the target's committed entries alone
+        end, logits = seq.length, []
         for _ in range(gamma):
-            last = self.lm.forward(ids, keep=1)[-1]
-            tok = pick(last, self.sampling, self.gen)
-            tokens.append(tok)
+            last = self._forward(seq.buf[:end])
+            seq.buf[end] = pick(last, self.sampling, self.gen)
             logits.append(last)
-            ids = torch.cat([ids, tok.view(1)])
-        self.lm.stats.drafted += gamma
-        return torch.stack(tokens), torch.stack(logits)
+            end += 1
+            # A host read per token, so only when asked: stop after a pick the drafter itself doubts.
+            if self.confidence > 0 and float(torch.softmax(last, -1)[seq.buf[end - 1]]) < self.confidence:
+                break
+        if self.skip is not None:
+            self.lm.discard(self.skip)
+        self.stats.drafted += len(logits)
+        return seq.buf[seq.length : end], torch.stack(logits)
 
-    def rollback(self, length: int) -> None:
-        self.lm.rollback(length)
+    def rollback(self, length: int, floor: int) -> None:
+        if self.skip is None:  # the self-draft's cache is the target's: its owner rolls it back
+            self.lm.rollback(length, floor)
 
 
 class LookupDrafter:
     """Prompt-lookup drafting: find the latest earlier occurrence of the context's last n-gram (n from
-    ``max_ngram`` down to 1) and propose the tokens that followed it. No model call; a one-hot proposal."""
+    ``max_ngram`` down to 1) and propose the tokens that followed it. No model call; a one-hot proposal. Runs on
+    the host copy of the sequence, so it costs no device read."""
 
     kind = "lookup"
 
@@ -63,17 +80,22 @@ class LookupDrafter:
         self.stats = stats
         self.max_ngram = max_ngram
 
-    def draft(self, seq: torch.Tensor, gamma: int) -> tuple[torch.Tensor, None]:
-        n_tok = seq.numel()
-        for n in range(min(self.max_ngram, n_tok - 1), 0, -1):
-            windows = seq.unfold(0, n, 1)[:-1]  # every n-gram that has a successor
-            hits = (windows == seq[-n:]).all(-1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                proposal = seq[start : start + gamma]
-                self.stats.drafted += proposal.numel()
-                return proposal, None
-        return seq[:0], None
+    def draft(self, seq: Sequence, gamma: int) -> tuple[torch.Tensor, None]:
+        proposal = prompt_lookup(torch.tensor(seq.tokens), gamma, self.max_ngram)
+        self.stats.drafted += proposal.numel()
+        return proposal.to(seq.buf.device), None
 
-    def rollback(self, length: int) -> None:
+    def rollback(self, length: int, floor: int) -> None:
         pass
+
+
+def prompt_lookup(tokens: torch.Tensor, gamma: int, max_ngram: int = 3) -> torch.Tensor:
+    """Up to γ tokens that followed the latest earlier occurrence of the longest suffix n-gram (n ≤ max_ngram) of
+    ``tokens`` (1-D, on the CPU); empty when none recurs."""
+    for n in range(min(max_ngram, tokens.numel() - 1), 0, -1):
+        windows = tokens.unfold(0, n, 1)[:-1]  # every n-gram that has a successor
+        hits = (windows == tokens[-n:]).all(-1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return tokens[start : start + gamma]
+    return tokens[:0]

@@ -1,24 +1,28 @@
 """Three-tier VIA-SD decoding: draft → slim verifier (the target with sub-layers skipped) → full target.
 
-One round, top to bottom:
+The slim verifier is the target under a skip set, over the target's own KV cache: it reads the entries the full
+target committed and writes only in the sub-layers it runs. One round, top to bottom:
 1. the drafter proposes k ≤ γ tokens with distributions q;
-2. the slim verifier scores all of them in one forward (its own cache), giving p_slim at each position;
+2. the slim verifier scores all of them in one forward, giving p_slim at each position;
 3. D_i = divergence(p_slim_i, q_i) routes each position: D < τ_accept → accepted directly;
    τ_accept ≤ D < τ_escalate → the slim verifier decides (accepts, or emits its own token and ends the
-   round); D ≥ τ_escalate → the full target verifies from there on, losslessly (see ``sd.verify``);
+   round); D ≥ τ_escalate → the full target verifies from there on, losslessly;
 4. if every draft token got through without the full target, the slim verifier adds a bonus token.
-The full model's cache lags behind tokens the other tiers accepted and catches up in one batched forward the
-next time it is called. τ_escalate = 0 sends everything to the full target: plain SD, token for token.
+Tokens the first two tiers settled get their full-target KV in the target's next batched forward. With
+``recheck`` that forward also verifies them, as plain SD verifies drafts: the first one the target would not
+emit is replaced by the target's token and everything after it dropped, and before decoding ends a last full
+pass checks whatever is still unverified. VIA-SD with recheck is lossless (greedy: the target's output token for
+token; sampling: the target's distribution, since each settled token is re-checked against the distribution it
+was drawn from, q for a direct accept and p_slim for a slim decision). Without it VIA-SD is lossy.
+τ_escalate = 0 sends everything to the full target: plain SD, token for token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch import nn
+import torch.nn.functional as F
 
-from ..routing import SkipSet
+from ..config import DecodeConfig
 from .common import (
     DIRECT,
     FULL,
@@ -26,76 +30,135 @@ from .common import (
     SLIM,
     CachedLM,
     Result,
+    Round,
     Sampling,
+    Sequence,
     Stats,
     accept_mask,
     correction,
     divergence,
     probs_from_logits,
     run_rounds,
+    verify_rows,
 )
 from .drafters import Drafter
-from .sd import verify
 
 
-@dataclass(frozen=True)
-class Routing:
-    """Where the slim verifier's layers go and how tokens are routed between the tiers."""
+class Proposals:
+    """The distribution each not-yet-verified token was drawn from, by position (kept only when sampling with
+    recheck: the re-check's acceptance test needs it)."""
 
-    skip: SkipSet
-    tau_accept: float
-    tau_escalate: float
-    kl: str = "forward"
+    def __init__(self, vocab: int, active: bool):
+        self.rows: dict[int, torch.Tensor] = {}
+        self.vocab, self.active = vocab, active
+
+    def record(self, start: int, rows: list[torch.Tensor | int]) -> None:
+        """Rows for positions ``start, start+1, …``; an int stands for a one-hot proposal of that token."""
+        if self.active:
+            for i, r in enumerate(rows):
+                self.rows[start + i] = r
+
+    def stack(self, start: int, end: int, device) -> torch.Tensor:
+        out = [torch.empty(0, self.vocab, device=device)]
+        for pos in range(start, end):
+            r = self.rows[pos]
+            row = F.one_hot(torch.tensor(r, device=device), self.vocab).float() if isinstance(r, int) else r
+            out.append(row.view(1, -1))
+        return torch.cat(out)
+
+    def forget(self, before: int, after: int) -> None:
+        self.rows = {p: r for p, r in self.rows.items() if before <= p < after}
 
 
 def generate(
-    target: nn.Module,
-    drafter_factory,
-    input_ids: torch.Tensor,
+    full: CachedLM,
+    drafter: Drafter,
+    seq: Sequence,
     max_new_tokens: int,
     eos_ids: set[int],
-    gamma: int,
-    routing: Routing,
+    cfg: DecodeConfig,
     sampling: Sampling = GREEDY,
     gen: torch.Generator | None = None,
 ) -> Result:
-    stats = Stats()
-    full = CachedLM(target, tier="full", stats=stats)
-    slim = CachedLM(target, routing.skip, tier="slim", stats=stats)
-    drafter: Drafter = drafter_factory(stats)
+    """``full``: the target over its cache, already prefilled with all but the prompt's last token."""
+    stats: Stats = full.stats
+    vocab = full.model.config.vocab_size
+    proposals = Proposals(vocab, cfg.recheck and not sampling.greedy)
 
-    def escalate(ext: torch.Tensor, drafts, q_logits, n: int) -> list[int]:
-        """Full-target verification of ``drafts[n:]`` (``ext`` = sequence + all drafts)."""
-        k = drafts.numel()
-        p_logits = full.forward(ext, keep=k - n + 1)
-        return verify(p_logits, None if q_logits is None else q_logits[n:], drafts[n:], sampling, gen)
+    def full_verify(seq: Sequence, drafts, q_logits, n: int, labels: list[int], settled: list) -> Round:
+        """The full target from draft ``n`` on (the round's first ``n`` drafts were settled as ``labels`` say).
+        With recheck it also verifies every settled token since its last pass; otherwise it only catches up on
+        their KV."""
+        k, L, c = drafts.numel(), seq.length, full.committed
+        ext = seq.with_drafts(drafts)
+        q = None if q_logits is None or sampling.greedy else probs_from_logits(q_logits, sampling)
+        if not cfg.recheck:
+            p_logits = full.forward(ext, keep=k - n + 1)
+            m, last = verify_rows(p_logits, None if q is None else q[n:], drafts[n:], sampling, gen)
+            return Round(L, drafts[: n + m].tolist() + [last], labels + [FULL] * (m + 1))
+        # Everything after the last verified token (c + 1): earlier rounds' settled tokens, then all drafts.
+        p_logits = full.forward(ext, keep=L + k - c)
+        lag = L - 1 - c
+        r = None
+        if not sampling.greedy:
+            escalated = [q[i] if q is not None else int(drafts[i]) for i in range(n, k)]
+            proposals.record(L, settled + escalated)
+            r = proposals.stack(c + 1, L + k, ext.device)
+        m, last = verify_rows(p_logits, r, ext[c + 1 :], sampling, gen)
+        stats.rechecked += lag + n
+        if m < lag + n:
+            stats.rollbacks += 1
+        if m < lag:  # a settled token of an earlier round: drop it and everything after
+            stats.rolled_back_tokens += lag - m
+            return Round(c + 1 + m, [last], [FULL])
+        m -= lag
+        tiers = (labels + [FULL] * k)[:m]
+        return Round(L, drafts[:m].tolist() + [last], tiers + [FULL])
 
-    def one_round(seq: torch.Tensor) -> tuple[list[int], list[int]]:
-        drafts, q_logits = drafter.draft(seq, gamma)
-        k = drafts.numel()
-        ext = torch.cat([seq, drafts])
-        if k == 0 or routing.tau_escalate <= 0:  # nothing for the slim tier to do
-            tokens = escalate(ext, drafts, q_logits, 0)
-            return tokens, [FULL] * len(tokens)
+    def one_round(seq: Sequence) -> Round:
+        proposals.forget(full.committed + 1, seq.length)
+        drafts, q_logits = drafter.draft(seq, cfg.gamma)
+        k, L = drafts.numel(), seq.length
+        if k == 0 or cfg.tau_escalate <= 0:  # nothing for the slim tier to do
+            return full_verify(seq, drafts, q_logits, 0, [], [])
 
-        s_logits = slim.forward(ext, keep=k + 1)  # [k+1, V]: the k draft positions and the bonus position
-        d = divergence(s_logits[:k], q_logits, drafts, routing.kl)
-        tier = (d >= routing.tau_accept).long() + (d >= routing.tau_escalate).long()  # DIRECT / SLIM / FULL
+        s_logits = full.speculate(seq.with_drafts(drafts), cfg.skip, tier="slim", keep=k + 1)  # [k+1, V]
+        d = divergence(s_logits[:k], q_logits, drafts, cfg.kl)
+        tier = (d >= cfg.tau_accept).long() + (d >= cfg.tau_escalate).long()  # DIRECT / SLIM / FULL
         p_s = s_logits if sampling.greedy else probs_from_logits(s_logits, sampling)
         q = None if q_logits is None or sampling.greedy else probs_from_logits(q_logits, sampling)
         slim_ok = accept_mask(p_s[:k], q, drafts, sampling, gen)
         ok = (tier == DIRECT) | ((tier == SLIM) & slim_ok)
         n = ok.long().cumprod(0).sum()
-        n, *tiers = torch.cat([n.view(1), tier]).tolist()  # one host sync decides the round
-        accepted = drafts[:n].tolist()
+        n, *tiers = torch.cat([n.view(1), tier]).tolist()  # one host read decides the round
         labels = [DIRECT if t == DIRECT else SLIM for t in tiers[:n]]
+        # What each settled token was drawn from: q for a direct accept, p_slim for the slim tier's decision.
+        settled = [] if not proposals.active else [
+            (q[i] if q is not None else int(drafts[i])) if t == DIRECT else p_s[i] for i, t in enumerate(labels)
+        ]
 
         if n < k and tiers[n] == FULL:
-            tokens = escalate(ext, drafts, q_logits, n)
-            return accepted + tokens, labels + [FULL] * len(tokens)
+            return full_verify(seq, drafts, q_logits, n, labels, settled)
         # Slim verifier has the last word: its own token where it rejected draft n, or a bonus after all k.
         rejected = drafts[n] if n < k else None
         last = correction(p_s[n], None if q is None or n == k else q[n], rejected, sampling, gen)
-        return accepted + [int(last)], labels + [SLIM]
+        proposals.record(L, settled + [p_s[n]])
+        return Round(L, drafts[:n].tolist() + [int(last)], labels + [SLIM])
 
-    return run_rounds(one_round, input_ids, max_new_tokens, eos_ids, stats, [full, slim, drafter])
+    def flush(seq: Sequence) -> Round | None:
+        """Before decoding ends: verify what no full pass has (recheck only)."""
+        c, L = full.committed, seq.length
+        if not cfg.recheck or c >= L - 1:
+            return None
+        p_logits = full.forward(seq.ids, keep=L - c)
+        r = proposals.stack(c + 1, L, seq.buf.device) if proposals.active else None
+        lag = L - 1 - c
+        m, last = verify_rows(p_logits, r, seq.ids[c + 1 :], sampling, gen)
+        stats.rechecked += lag
+        if m == lag:
+            return None
+        stats.rollbacks += 1
+        stats.rolled_back_tokens += lag - m
+        return Round(c + 1 + m, [last], [FULL])
+
+    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, drafter, flush)

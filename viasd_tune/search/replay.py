@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ..config import DecodeConfig
-from ..decoding.common import DIRECT, FULL, SLIM, Stats, divergence
-from ..decoding.drafters import LookupDrafter
+from ..decoding.common import DIRECT, FULL, SLIM, divergence
+from ..decoding.drafters import prompt_lookup
 from ..routing import SkipSet, num_layers, skipping
 
 
@@ -74,10 +74,9 @@ class ReplayCache:
     @staticmethod
     def _lookup_proposals(ref: Reference, gamma_max: int = 16) -> list[list[int]]:
         """Prompt-lookup proposal at every round start along the reference."""
-        full = ref.full
-        drafter = LookupDrafter(Stats())
+        full = ref.full.cpu()
         base = ref.prompt_ids.numel()
-        return [drafter.draft(full[: base + j], gamma_max)[0].tolist() for j in range(len(ref.output))]
+        return [prompt_lookup(full[: base + j], gamma_max).tolist() for j in range(len(ref.output))]
 
     def draft_logits(self, drafter: str, draft_skip: SkipSet) -> list[torch.Tensor]:
         key = (drafter, draft_skip)
