@@ -290,25 +290,25 @@ def divergence(
 
 def verify_rows(
     p_logits: torch.Tensor, r: torch.Tensor | None, tokens: torch.Tensor, sampling: Sampling, gen
-) -> tuple[int, int]:
+) -> tuple[list[int], int]:
     """Target-verify ``tokens`` (m proposals) given the target's logits at the m+1 positions that predict them and
     the next token, and the distributions the proposals were drawn from (rows of ``r``; ``None``: greedy, or
-    one-hot proposals). Returns (how many are accepted, the target's token after them: correction or bonus).
+    one-hot proposals). Returns (the accepted tokens, the target's token after them: correction or bonus).
 
     The standard speculative-sampling rule, exact for any proposal that depends only on the prefix; greedy: the
-    target's argmax. Greedy costs one host read (the count and the next token together).
+    target's argmax. Greedy costs one host read (the count, the next token and the proposals together).
     """
     m = tokens.numel()
     if sampling.greedy:
         choice = p_logits.argmax(-1)  # [m+1]
         n = (choice[:m] == tokens).cumprod(0).sum()
-        n, last = torch.stack([n, choice[n]]).tolist()
-        return n, last
+        n, last, *proposed = torch.cat([n.view(1), choice[n].view(1), tokens]).tolist()
+        return proposed[:n], last
     p = probs_from_logits(p_logits, sampling)
     n = int(accept_mask(p[:m], r, tokens, sampling, gen).cumprod(0).sum())
     rejected = tokens[n] if n < m else None
     last = correction(p[n], None if r is None or n == m else r[n], rejected, sampling, gen)
-    return n, int(last)
+    return tokens[:n].tolist(), int(last)
 
 
 @dataclass

@@ -27,8 +27,8 @@ def verify(
     """Target-verify ``drafts`` (k tokens) given the target's logits at the k+1 positions that predict them
     and the next token. Returns the accepted prefix plus the correction (first rejection) or bonus token."""
     q = None if q_logits is None or sampling.greedy else probs_from_logits(q_logits, sampling)
-    n, last = verify_rows(p_logits, q, drafts, sampling, gen)
-    return drafts[:n].tolist() + [last]
+    accepted, last = verify_rows(p_logits, q, drafts, sampling, gen)
+    return accepted + [last]
 
 
 def generate(

@@ -85,17 +85,17 @@ def generate(
     vocab = full.model.config.vocab_size
     proposals = Proposals(vocab, cfg.recheck and not sampling.greedy)
 
-    def full_verify(seq: Sequence, drafts, q_logits, n: int, labels: list[int], settled: list) -> Round:
-        """The full target from draft ``n`` on (the round's first ``n`` drafts were settled as ``labels`` say).
-        With recheck it also verifies every settled token since its last pass; otherwise it only catches up on
-        their KV."""
-        k, L, c = drafts.numel(), seq.length, full.committed
+    def full_verify(seq: Sequence, drafts, q_logits, head: list[int], labels: list[int], settled: list) -> Round:
+        """The full target from draft n = len(head) on (the round's first n drafts, ``head``, were settled as
+        ``labels`` say). With recheck it also verifies every settled token since its last pass; otherwise it only
+        catches up on their KV."""
+        k, n, L, c = drafts.numel(), len(head), seq.length, full.committed
         ext = seq.with_drafts(drafts)
         q = None if q_logits is None or sampling.greedy else probs_from_logits(q_logits, sampling)
         if not cfg.recheck:
             p_logits = full.forward(ext, keep=k - n + 1)
-            m, last = verify_rows(p_logits, None if q is None else q[n:], drafts[n:], sampling, gen)
-            return Round(L, drafts[: n + m].tolist() + [last], labels + [FULL] * (m + 1))
+            accepted, last = verify_rows(p_logits, None if q is None else q[n:], drafts[n:], sampling, gen)
+            return Round(L, head + accepted + [last], labels + [FULL] * (len(accepted) + 1))
         # Everything after the last verified token (c + 1): earlier rounds' settled tokens, then all drafts.
         p_logits = full.forward(ext, keep=L + k - c)
         lag = L - 1 - c
@@ -104,23 +104,23 @@ def generate(
             escalated = [q[i] if q is not None else int(drafts[i]) for i in range(n, k)]
             proposals.record(L, settled + escalated)
             r = proposals.stack(c + 1, L + k, ext.device)
-        m, last = verify_rows(p_logits, r, ext[c + 1 :], sampling, gen)
+        accepted, last = verify_rows(p_logits, r, ext[c + 1 :], sampling, gen)
+        m = len(accepted)
         stats.rechecked += lag + n
         if m < lag + n:
             stats.rollbacks += 1
         if m < lag:  # a settled token of an earlier round: drop it and everything after
             stats.rolled_back_tokens += lag - m
             return Round(c + 1 + m, [last], [FULL])
-        m -= lag
-        tiers = (labels + [FULL] * k)[:m]
-        return Round(L, drafts[:m].tolist() + [last], tiers + [FULL])
+        tiers = (labels + [FULL] * k)[: m - lag]
+        return Round(L, accepted[lag:] + [last], tiers + [FULL])
 
     def one_round(seq: Sequence) -> Round:
         proposals.forget(full.committed + 1, seq.length)
         drafts, q_logits = drafter.draft(seq, cfg.gamma)
         k, L = drafts.numel(), seq.length
         if k == 0 or cfg.tau_escalate <= 0:  # nothing for the slim tier to do
-            return full_verify(seq, drafts, q_logits, 0, [], [])
+            return full_verify(seq, drafts, q_logits, [], [], [])
 
         s_logits = full.speculate(seq.with_drafts(drafts), cfg.skip, tier="slim", keep=k + 1)  # [k+1, V]
         d = divergence(s_logits[:k], q_logits, drafts, cfg.kl)
@@ -130,20 +130,25 @@ def generate(
         slim_ok = accept_mask(p_s[:k], q, drafts, sampling, gen)
         ok = (tier == DIRECT) | ((tier == SLIM) & slim_ok)
         n = ok.long().cumprod(0).sum()
-        n, *tiers = torch.cat([n.view(1), tier]).tolist()  # one host read decides the round
+        # One host read decides the round: the count, each position's tier, the drafts, the slim verifier's picks.
+        n, *read = torch.cat([n.view(1), tier, drafts, s_logits.argmax(-1)]).tolist()
+        tiers, proposed, slim_choice = read[:k], read[k : 2 * k], read[2 * k :]
         labels = [DIRECT if t == DIRECT else SLIM for t in tiers[:n]]
         # What each settled token was drawn from: q for a direct accept, p_slim for the slim tier's decision.
         settled = [] if not proposals.active else [
-            (q[i] if q is not None else int(drafts[i])) if t == DIRECT else p_s[i] for i, t in enumerate(labels)
+            (q[i] if q is not None else proposed[i]) if t == DIRECT else p_s[i] for i, t in enumerate(labels)
         ]
 
         if n < k and tiers[n] == FULL:
-            return full_verify(seq, drafts, q_logits, n, labels, settled)
+            return full_verify(seq, drafts, q_logits, proposed[:n], labels, settled)
         # Slim verifier has the last word: its own token where it rejected draft n, or a bonus after all k.
-        rejected = drafts[n] if n < k else None
-        last = correction(p_s[n], None if q is None or n == k else q[n], rejected, sampling, gen)
-        proposals.record(L, settled + [p_s[n]])
-        return Round(L, drafts[:n].tolist() + [int(last)], labels + [SLIM])
+        if sampling.greedy:
+            last = slim_choice[n]
+        else:
+            rejected = drafts[n] if n < k else None
+            last = int(correction(p_s[n], None if q is None or n == k else q[n], rejected, sampling, gen))
+            proposals.record(L, settled + [p_s[n]])
+        return Round(L, proposed[:n] + [last], labels + [SLIM])
 
     def flush(seq: Sequence) -> Round | None:
         """Before decoding ends: verify what no full pass has (recheck only)."""
@@ -153,7 +158,8 @@ def generate(
         p_logits = full.forward(seq.ids, keep=L - c)
         r = proposals.stack(c + 1, L, seq.buf.device) if proposals.active else None
         lag = L - 1 - c
-        m, last = verify_rows(p_logits, r, seq.ids[c + 1 :], sampling, gen)
+        accepted, last = verify_rows(p_logits, r, seq.ids[c + 1 :], sampling, gen)
+        m = len(accepted)
         stats.rechecked += lag
         if m == lag:
             return None
