@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from html_page import read_page, trace_points  # tests/ is on sys.path (rootdir conftest, no package)
 
 from viasd_tune import bench, models
 from viasd_tune.cli import main
@@ -110,11 +111,25 @@ def test_writes_three_files_with_every_method_and_group(benched):
     assert {p["task_group"] for p in result["prompts"]} == {"translation", "math_reasoning"}
     md = (out / "bench.md").read_text()
     assert "viasd-tune bench --model" in md and "| `viasd:tinyprof` |" in md and "| math_reasoning (" in md
-    page = (out / "bench.html").read_text()
-    assert "viasd-bench-groups" in page and "viasd-bench-fidelity" in page
-    assert "Plotly.newPlot" in page and not re.search(
-        r"<script[^>]*\bsrc=", page
-    )  # plotly.js inline: offline
+    text = (out / "bench.html").read_text()
+    assert not re.search(r"<script[^>]*\bsrc=", text)  # plotly.js inline: offline
+    # The figures as the browser gets them: a speedup bar per task group (and "all") for every method but
+    # the hf baseline, and one fidelity-vs-speedup point per method.
+    page = read_page(text)
+    assert page.figure_ids == ["viasd-bench-groups", "viasd-bench-fidelity"] == list(page.figures)
+    bars = page.figures["viasd-bench-groups"]["data"]
+    assert [t["name"] for t in bars] == methods[1:]
+    for t in bars:
+        s = result["summary"][t["name"]]
+        groups = sorted(s["per_group"])
+        assert t["x"] == [*groups, "all"]
+        medians = [s["per_group"][g]["speedup_vs_hf"]["median"] for g in groups]
+        assert t["y"] == pytest.approx([*medians, s["speedup_vs_hf"]["median"]])
+    dots = page.figures["viasd-bench-fidelity"]["data"]
+    assert [(t["name"], t["text"]) for t in dots] == [(m, [m]) for m in methods]
+    for t in dots:
+        s = result["summary"][t["name"]]
+        assert trace_points(t, "x", "y") == [(s["speedup_vs_hf"]["median"], s["agreement"])]
 
 
 def test_ar_and_sd_equal_hf_greedy_in_fp32(benched):
