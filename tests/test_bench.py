@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from html_page import read_page, trace_points  # tests/ is on sys.path (rootdir conftest, no package)
+from html_page import (  # tests/ is on sys.path (rootdir conftest, no package)
+    plotly_figures,
+    read_page,
+    trace_points,
+)
 
 import viasd_tune
 from viasd_tune import host, models
@@ -126,17 +130,6 @@ def read_report_page(path: Path) -> PageReader:
     return reader
 
 
-def report_figures(text: str) -> dict[str, tuple[list, dict]]:
-    """div id -> (data, layout), decoded from each ``Plotly.newPlot`` call (JSON escapes resolved)."""
-    out = {}
-    decoder = json.JSONDecoder()
-    for m in re.finditer(r'Plotly\.newPlot\(\s*"([^"]+)",\s*', text):
-        data, end = decoder.raw_decode(text, m.end())
-        layout, _ = decoder.raw_decode(text, re.compile(r",\s*").match(text, end).end())
-        out[m.group(1)] = (data, layout)
-    return out
-
-
 def md_table(md: str, header_start: str) -> list[list[str]]:
     """Rows (header first) of the markdown table whose header starts with ``header_start``, backticks dropped."""
     lines = md.splitlines()
@@ -232,10 +225,10 @@ def test_every_report_names_the_host_matrix_isa(benched):
     assert f"- matrix ISA: `{isa}`" in md.split("\n\n")[1]  # in the header's facts
     page = read_report_page(out / "bench.html")
     assert page.facts["matrix ISA"].startswith(isa)
-    figures = report_figures((out / "bench.html").read_text())
+    figures = plotly_figures((out / "bench.html").read_text())
     assert set(figures) == {"viasd-bench-groups", "viasd-bench-fidelity"}
-    for _, layout in figures.values():
-        assert isa in layout["title"]["text"] and "float32" in layout["title"]["text"]
+    for fig in figures.values():
+        assert isa in fig["layout"]["title"]["text"] and "float32" in fig["layout"]["title"]["text"]
 
 
 def test_html_page_shows_the_markdown_tables_and_figures(benched):
@@ -248,13 +241,13 @@ def test_html_page_shows_the_markdown_tables_and_figures(benched):
     assert page.tables["group-speedup"] == md_table(md, "| method | math_reasoning (")
     assert page.tables["prompts"] == md_table(md, "| prompt | task group")
     assert [row[0] for row in page.tables["summary"][1:]] == result["meta"]["methods"]
-    figures = report_figures((out / "bench.html").read_text())
-    bars, _ = figures["viasd-bench-groups"]
+    figures = plotly_figures((out / "bench.html").read_text())
+    bars = figures["viasd-bench-groups"]["data"]
     assert [t["name"] for t in bars] == result["meta"]["methods"][1:]  # every method but the baseline
     assert all(t["x"] == ["math_reasoning", "translation", "all"] for t in bars)
     sd = next(t for t in bars if t["name"] == "sd")
     assert sd["y"][-1] == pytest.approx(result["summary"]["sd"]["speedup_vs_hf"]["median"])
-    points, _ = figures["viasd-bench-fidelity"]
+    points = figures["viasd-bench-fidelity"]["data"]
     assert {t["name"]: t["y"][0] for t in points} == {
         m: pytest.approx(s["agreement"]) for m, s in result["summary"].items()
     }
