@@ -8,7 +8,7 @@ import statistics
 import optuna
 import pytest
 
-from viasd_tune import models, runtime
+from viasd_tune import host, models, runtime
 from viasd_tune.cli import main
 from viasd_tune.decoding.decoder import DecodeConfig, Decoder
 from viasd_tune.errors import UserError
@@ -51,6 +51,7 @@ def test_search_exports_a_valid_profile(searched, tiny_dirs):
     out, summary = searched
     profile = load_profile(out / "profile.json")  # validates against the shipped schema
     assert profile["provenance"]["trial"] == summary["trial"]
+    assert profile["provenance"]["matrix_isa"] == host.matrix_isa("cpu")  # the host it was measured on
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == TRIALS

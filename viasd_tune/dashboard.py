@@ -638,6 +638,12 @@ def _fig_importances(study: optuna.Study, points: list[_Point]) -> tuple[go.Figu
 # --------------------------------------------------------------------------------------------------- page
 
 
+def _isas(study: optuna.Study, a: dict) -> str:
+    """The hosts' matrix ISAs the trials were measured on (speeds are only comparable on one)."""
+    seen = sorted({t.user_attrs["matrix_isa"] for t in study.get_trials(deepcopy=False) if "matrix_isa" in t.user_attrs})
+    return ", ".join(seen) or a.get("matrix_isa", "unknown")
+
+
 def _header_rows(
     study: optuna.Study, points: list[_Point], exported: _Point | None, wanted: int | None
 ) -> list:
@@ -659,6 +665,7 @@ def _header_rows(
         ("draft", _esc(a.get("draft") or "- (self / lookup drafting only)")),
         ("trials", _esc(trials)),
         ("min fidelity", _esc(_num(a.get("min_fidelity"), "g"))),
+        ("dtype · matrix ISA", _esc(f"{a.get('dtype', '-')} · {_isas(study, a)}")),
     ]
     if exported is not None:
         c = exported.config

@@ -22,7 +22,7 @@ from pathlib import Path
 import optuna
 from tqdm.auto import tqdm
 
-from .. import models, prompts
+from .. import host, models, prompts
 from ..config import DecodeConfig
 from ..decoding.decoder import Decoder
 from ..errors import UserError
@@ -196,6 +196,7 @@ def run_search(s: SearchSettings) -> dict:
         "draft_fingerprint": draft.fingerprint if draft else None,
         "dtype": str(target.model.dtype).removeprefix("torch."),
         "device": dev.type,
+        "matrix_isa": host.matrix_isa(str(dev)),  # whoever created the study; each measured trial records its own
         "calibration": {
             "source": s.data,
             "prompt_ids": [p.id for p in calib],
@@ -243,6 +244,7 @@ def run_search(s: SearchSettings) -> dict:
         if not all(map(_finite, (m.speedup, m.fidelity, m.acceptance))):
             raise RuntimeError("non-finite measurement (the skip set may produce NaNs)")
         trial.set_user_attr("measured", True)
+        trial.set_user_attr("matrix_isa", host.matrix_isa(str(target.model.device)))  # speeds differ 3x across hosts
         trial.set_user_attr("fidelity", m.fidelity)
         trial.set_user_attr("agreement", m.agreement)
         trial.set_user_attr("exact_match", m.exact)
