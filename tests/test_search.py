@@ -344,3 +344,36 @@ def test_acceptance_counts_slim_forwards_at_their_cost():
     )  # a no-skip slim pass is a full one
     assert acceptance(30, full_calls=2, slim_calls=8, slim_cost=0.5) == 5.0
     assert acceptance(7, full_calls=0, slim_calls=0, slim_cost=1.0) == 7.0
+
+
+def test_a_pick_slower_than_plain_decoding_is_exported_as_plain_decoding(searched, tiny_dirs, tmp_path):
+    """The knee ran at 0.5x plain decoding on the held-out prompts: the export is ``mode: ar`` with its why."""
+    import shutil
+
+    from viasd_tune.search.export import export_study, pick_trial
+
+    out, _ = searched
+    shutil.copy(out / "study.db", tmp_path / "study.db")
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    knee = pick_trial(study, "knee")
+    slow = {
+        "speedup_measured": 0.5,
+        "speedup_vs_sd": 0.7,
+        "acceptance": 1.8,
+        "fidelity": 1.0,
+        "tier_shares": {"direct": 0.1, "slim": 0.2, "full": 0.7},
+        "held_out_prompts": 3,
+    }
+    study.set_user_attr(f"held_out:{knee.number}", slow)
+    summary = export_study(study, tmp_path / "export")
+    profile = load_profile(tmp_path / "export" / "profile.json")
+    assert profile["mode"] == "ar" and summary["config"]["mode"] == "ar"
+    why = profile["metrics"]["plain_decoding_because"]
+    assert f"trial #{knee.number}" in why and "0.50x plain decoding" in why and "3 held-out prompts" in why
+    assert profile["metrics"]["best_speculative"]["trial"] == knee.number
+    target, draft = (models.load(d, "float32", "cpu") for d in tiny_dirs)
+    decoder = runtime.load(profile, model=target, draft=draft, device="cpu")
+    assert decoder.config.mode == "ar"
+    # Asked for by name, the same trial is exported as it is, marked slower than plain decoding.
+    summary = export_study(study, tmp_path / "by-name", pick=f"trial:{knee.number}")
+    assert summary["metrics"]["slower_than_ar"] is True and summary["config"]["mode"] != "ar"

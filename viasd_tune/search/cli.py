@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import UserError
@@ -99,6 +100,13 @@ def cmd_search(args) -> int:
 
 def print_summary(summary: dict) -> None:
     m, c = summary["metrics"], summary["config"]
+    if m.get("plain_decoding_because"):
+        print(f"profile: {summary['profile']}  (mode ar) -- {m['plain_decoding_because']}")
+        if summary.get("dashboard"):
+            print(f"  dashboard: {summary['dashboard']}")
+        return
+    if m.get("slower_than_ar"):
+        print(f"warning: trial {summary['trial']} runs at {m['speedup_measured']:.2f}x plain decoding on held-out prompts")
     vs_sd = f"{m['speedup_vs_sd']:.2f}x" if m.get("speedup_vs_sd") else "n/a"
     print(
         f"profile: {summary['profile']}  (trial {summary['trial']}, {summary['pareto']} on the feasible Pareto front)\n"
@@ -120,7 +128,14 @@ def cmd_export(args) -> int:
 
     study = load_study(args.storage, args.study_name)
     trial = pick_trial(study, args.pick)
-    profile = build_profile(study, trial, study.user_attrs.get(f"held_out:{trial.number}"))
+    held = study.user_attrs.get(f"held_out:{trial.number}")
+    profile = build_profile(study, trial, held)
+    if held is not None and held["speedup_measured"] < 1.0:
+        profile["metrics"]["slower_than_ar"] = True
+        print(
+            f"warning: trial {trial.number} ran at {held['speedup_measured']:.2f}x plain decoding on held-out prompts",
+            file=sys.stderr,
+        )
     write_profile(args.out, profile)
     print(json.dumps({"profile": args.out, "trial": trial.number, "metrics": profile["metrics"]}, indent=2))
     return 0

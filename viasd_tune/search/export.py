@@ -114,6 +114,33 @@ def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out
     }
 
 
+def plain_decoding_profile(profile: dict, trial: int, held: dict) -> dict:
+    """``profile`` turned into plain decoding (``mode: ar``), with why: the best speculative configuration the
+    search found ran slower than plain decoding on the held-out prompts."""
+    why = (
+        f"trial #{trial}, the search's pick, ran at {held['speedup_measured']:.2f}x plain decoding on the "
+        f"{held['held_out_prompts']} held-out prompts (acceptance {held['acceptance']:.2f} tokens per "
+        f"full-target forward, tier shares direct/slim/full "
+        + "/".join(f"{held['tier_shares'][k]:.0%}" for k in ("direct", "slim", "full"))
+        + "); plain decoding is exported instead"
+    )
+    metrics = {
+        "speedup_measured": 1.0,
+        "speedup_modelled": None,
+        "speedup_vs_sd": None,
+        "acceptance": 1.0,
+        "fidelity": 1.0,
+        "tier_shares": {"direct": 0.0, "slim": 0.0, "full": 1.0},
+        "held_out_prompts": held["held_out_prompts"],
+        "evaluated_on": "held_out",
+        "plain_decoding_because": why,
+        "best_speculative": {"trial": trial, **held},
+    }
+    decoding = DecodeConfig(mode="ar", drafter="lookup").to_profile()  # plain decoding needs no draft model
+    draft = {"kind": decoding["drafter"], "name": None, "fingerprint": None, **decoding.pop("draft")}
+    return {**profile, **decoding, "draft": draft, "metrics": metrics}
+
+
 def export_study(
     study: optuna.Study,
     out: Path,
@@ -133,6 +160,13 @@ def export_study(
         held = evaluate(DecodeConfig.from_dict(chosen.user_attrs["config"]))
         study.set_user_attr(f"held_out:{chosen.number}", held)
     profile = build_profile(study, chosen, held)
+    config = chosen.user_attrs["config"]
+    if held is not None and held["speedup_measured"] < 1.0:
+        if pick == "knee":  # the automatic choice never ships something slower than not using the tool
+            profile = plain_decoding_profile(profile, chosen.number, held)
+            config = DecodeConfig(mode="ar", drafter="lookup").to_dict()
+        else:  # the user asked for this trial by name: export it, but say so
+            profile["metrics"]["slower_than_ar"] = True
     out.mkdir(parents=True, exist_ok=True)
     write_profile(out / "profile.json", profile)
     front = pareto_front(feasible_measured(study))
@@ -145,7 +179,7 @@ def export_study(
         "trial": chosen.number,
         "pareto": len(front),
         "metrics": profile["metrics"],
-        "config": chosen.user_attrs["config"],
+        "config": config,
         "dashboard": str(dashboard) if dashboard else None,
     }
 
