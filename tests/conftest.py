@@ -91,3 +91,34 @@ def tiny_dirs(tmp_path_factory):
         tok.save_pretrained(root / name)
         paths.append(str(root / name))
     return tuple(paths)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Many tiny forwards gain nothing from threads, and thread hand-offs dominate on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@torch.inference_mode()
+def logits_over_committed(model, seq: list[int], committed: int, skip=None) -> torch.Tensor:
+    """Logits at the positions after ``committed`` of a pass under ``skip`` that reads the full model's KV of
+    ``seq[:committed]``: what the slim verifier or self-draft computes over the target's cache, built by hand
+    with a plain transformers cache."""
+    from transformers import DynamicCache
+
+    from viasd_tune.routing import skipping
+
+    cache = DynamicCache(config=model.config)
+    if committed:
+        model(input_ids=torch.tensor([seq[:committed]]), cache=cache, use_cache=True)
+    with skipping(model, skip):
+        out = model(
+            input_ids=torch.tensor([seq[committed:]]),
+            position_ids=torch.arange(committed, len(seq))[None],
+            cache=cache,
+            use_cache=True,
+        )
+    return out.logits[0].float()

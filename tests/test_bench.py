@@ -29,6 +29,8 @@ from viasd_tune.cli import main
 from viasd_tune.profile import calibration_fingerprint, package_versions, write_profile
 from viasd_tune.prompts import Prompt, load_prompts, task_group
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: many tiny forwards, one thread
+
 FAST = ["--max-new-tokens", "8", "--repeats", "1", "--dtype", "float32", "--device", "cpu", "--no-progress"]
 
 
@@ -142,15 +144,6 @@ def md_table(md: str, header_start: str) -> list[list[str]]:
             continue
         rows.append([c.strip().strip("`") for c in line.strip().strip("|").split("|")])
     return rows
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from 2 threads, and OpenMP threads spin badly on a busy shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

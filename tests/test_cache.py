@@ -18,17 +18,10 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 from viasd_tune.decoding.common import CachedLM
 from viasd_tune.routing import SkipSet, skipping
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: many tiny forwards, one thread
+
 ATOL = 1e-4
 WINDOW = 16  # conftest's tiny Gemma-3 sliding window
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from threads, and thread hand-offs dominate on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def gemma3_mixed(seed: int = 4):

@@ -13,15 +13,16 @@ import sys
 
 import pytest
 import torch
-from conftest import VOCAB, noisy_copy, tiny_model
+from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache
 
 from viasd_tune.config import DecodeConfig
 from viasd_tune.decoding.common import DIRECT, FULL, SLIM, divergence
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.routing import SkipSet, skipping
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: many tiny forwards, one thread
 
 LAYERS = 4
 ARCHS = ("llama", "qwen2", "gemma3")  # gemma3: sliding window 16, exceeded by long prompts + new tokens
@@ -32,15 +33,6 @@ MODELS = {arch: (t, noisy_copy(t, 0.15, seed=20 + i)) for i, (arch, t) in enumer
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True)
 INF = sys.float_info.max  # "never": thresholds are finite, and no finite divergence exceeds this
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Hundreds of tiny forwards: threads only add hand-off latency on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------------------------ strategies
@@ -113,22 +105,9 @@ def lookup_proposal(seq: list[int], gamma: int, max_ngram: int = 3) -> list[int]
     return []
 
 
-@torch.inference_mode()
 def argmax_over_committed(model, seq: list[int], committed: int, skip: SkipSet) -> int:
-    """The next token of a pass under ``skip`` that reads the full model's KV of ``seq[:committed]`` and runs
-    ``skip`` over the rest: what a slim verifier or self-draft over the target's cache computes, built by hand
-    from a plain transformers cache."""
-    cache = DynamicCache(config=model.config)
-    if committed:
-        model(input_ids=torch.tensor([seq[:committed]]), cache=cache, use_cache=True)
-    with skipping(model, skip):
-        out = model(
-            input_ids=torch.tensor([seq[committed:]]),
-            position_ids=torch.arange(committed, len(seq))[None],
-            cache=cache,
-            use_cache=True,
-        )
-    return int(out.logits[0, -1].argmax())
+    """The next token of a pass under ``skip`` over the full model's KV of ``seq[:committed]``."""
+    return int(logits_over_committed(model, seq, committed, skip)[-1].argmax())
 
 
 def drafter_proposal(arch, drafter: str, draft_skip: SkipSet, seq: list[int], gamma: int, committed: int):

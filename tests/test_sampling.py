@@ -12,14 +12,15 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model
-from transformers import DynamicCache
+from conftest import logits_over_committed, tiny_model
 
 from viasd_tune.config import DecodeConfig
 from viasd_tune.decoding import common, sd
 from viasd_tune.decoding.common import Sampling, accept_mask, probs_from_logits, residual_sample
 from viasd_tune.decoding.decoder import Decoder
-from viasd_tune.routing import SkipSet, skipping
+from viasd_tune.routing import SkipSet
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: many tiny forwards, one thread
 
 V = 8
 INF = sys.float_info.max  # thresholds must be finite; this one routes every divergence the same way
@@ -38,15 +39,6 @@ CHI2_CRIT_P001 = {
     9: 27.877,
     10: 29.588,
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Thousands of tiny forwards: thread hand-offs would dominate on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -257,17 +249,10 @@ def small_vocab_pair():
     return target, draft
 
 
-@torch.inference_mode()
 def next_token_logits(model, skip: SkipSet | None = None, prompt: list[int] = PROMPT) -> torch.Tensor:
     """Next-token logits after ``prompt``; under ``skip``, as the slim verifier computes them: over the full
     model's KV of all but the last token, which the target prefilled."""
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prompt[:-1]]), cache=cache, use_cache=True)
-    with skipping(model, skip):
-        out = model(
-            input_ids=torch.tensor([prompt[-1:]]), position_ids=torch.tensor([[len(prompt) - 1]]), cache=cache
-        )
-    return out.logits[0, -1].float()
+    return logits_over_committed(model, prompt, len(prompt) - 1, skip)[-1]
 
 
 def first_token_histogram(decoder: Decoder, sampling: Sampling) -> torch.Tensor:

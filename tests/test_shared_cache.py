@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import VOCAB, noisy_copy, tiny_model
+from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
@@ -22,7 +22,9 @@ from viasd_tune.config import DecodeConfig
 from viasd_tune.decoding import ar, common, sd, viasd
 from viasd_tune.decoding.common import FULL, CachedLM
 from viasd_tune.decoding.decoder import Decoder
-from viasd_tune.routing import SkipSet, skipping
+from viasd_tune.routing import SkipSet
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: many tiny forwards, one thread
 
 ATOL = 1e-4
 LAYERS = 4
@@ -34,33 +36,9 @@ SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=N
 INF = sys.float_info.max  # thresholds are finite; no finite divergence reaches this
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 skip_sets = st.builds(
     SkipSet.of, st.sets(st.integers(0, LAYERS - 1), max_size=3), st.sets(st.integers(0, LAYERS - 1), max_size=3)
 )
-
-
-@torch.inference_mode()
-def hand_built(model, seq: list[int], committed: int, skip: SkipSet) -> torch.Tensor:
-    """Logits at every position after ``committed``: the full model's KV of ``seq[:committed]``, then ``skip``."""
-    cache = DynamicCache(config=model.config)
-    if committed:
-        model(input_ids=torch.tensor([seq[:committed]]), cache=cache, use_cache=True)
-    with skipping(model, skip):
-        out = model(
-            input_ids=torch.tensor([seq[committed:]]),
-            position_ids=torch.arange(committed, len(seq))[None],
-            cache=cache,
-            use_cache=True,
-        )
-    return out.logits[0].float()
 
 
 @torch.inference_mode()
@@ -177,13 +155,13 @@ def test_skip_pass_over_shared_cache_matches_hand_built_reference(arch, seq, ski
     lm.forward(torch.tensor(seq[:committed]))
     # A first skip pass, then a second that reads the first's speculative entries and feeds only what is new.
     first = lm.speculate(torch.tensor(seq[:middle]), skip, tier="slim")
-    torch.testing.assert_close(first, hand_built(target, seq[:middle], committed, skip), atol=ATOL, rtol=0)
+    torch.testing.assert_close(first, logits_over_committed(target, seq[:middle], committed, skip), atol=ATOL, rtol=0)
     second = lm.speculate(torch.tensor(seq), skip, tier="slim", keep=len(seq) - middle)
-    torch.testing.assert_close(second, hand_built(target, seq, committed, skip)[middle - committed :], atol=ATOL, rtol=0)
+    torch.testing.assert_close(second, logits_over_committed(target, seq, committed, skip)[middle - committed :], atol=ATOL, rtol=0)
     assert lm.stats.slim_tokens_processed == len(seq) - committed  # each position once
     # The full pass ignores what the skip passes wrote: it gives the cache-free logits.
     full = lm.forward(torch.tensor(seq), keep=len(seq) - committed)
-    torch.testing.assert_close(full, hand_built(target, seq, committed, SkipSet()), atol=ATOL, rtol=0)
+    torch.testing.assert_close(full, logits_over_committed(target, seq, committed, SkipSet()), atol=ATOL, rtol=0)
     assert lm.committed == len(seq)
 
 
