@@ -67,9 +67,11 @@ class Decoder:
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             ids = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        elif isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
-        ):
+        elif (
+            not isinstance(prompt, (bytes, dict))
+            and hasattr(prompt, "__iter__")
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+        ):  # token ids: a list, a tuple, a numpy array
             ids = [int(t) for t in prompt]
         else:
             raise UserError(
