@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from .config import DRAFTERS, GAMMA_MAX, KL_KINDS, MODES, DecodeConfig
+from .config import DRAFTERS, GAMMA_MAX, KL_KINDS, MODES, DecodeConfig, check_generation
 from .errors import UserError
 from .models import DEFAULT_MODEL
 from .routing import SkipSet
@@ -56,46 +56,56 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gamma",
         type=int,
-        default=5,
-        help=f"draft tokens per round, 1..{GAMMA_MAX} (the cap with --draft-confidence)",
+        default=None,
+        help=f"draft tokens per round, 1..{GAMMA_MAX} (the cap with --draft-confidence; default 5)",
     )
     p.add_argument(
-        "--skip-attn", default="", help="slim verifier: attention sub-layers to skip, e.g. 3,5,7 or 3-7"
+        "--skip-attn", default=None, help="slim verifier: attention sub-layers to skip, e.g. 3,5,7 or 3-7"
     )
-    p.add_argument("--skip-mlp", default="", help="slim verifier: MLP sub-layers to skip")
+    p.add_argument("--skip-mlp", default=None, help="slim verifier: MLP sub-layers to skip")
     p.add_argument(
         "--draft-skip-attn",
         "--draft-skip",
         dest="draft_skip_attn",
-        default="",
+        default=None,
         help="self-draft (or, with --drafter model, the draft model): attention sub-layers to skip",
     )
     p.add_argument(
-        "--draft-skip-mlp", default="", help="self-draft (or the draft model): MLP sub-layers to skip"
+        "--draft-skip-mlp", default=None, help="self-draft (or the draft model): MLP sub-layers to skip"
     )
     p.add_argument(
-        "--tau-accept", type=float, default=0.0, help="D below this: accept the draft token directly"
+        "--tau-accept", type=float, default=None, help="D below this: accept the draft token directly"
     )
     p.add_argument(
-        "--tau-escalate", type=float, default=0.0, help="D at or above this: the full target verifies"
+        "--tau-escalate", type=float, default=None, help="D at or above this: the full target verifies"
     )
-    p.add_argument("--kl", choices=KL_KINDS, default="forward")
+    p.add_argument("--kl", choices=KL_KINDS, default=None, help="divergence (default forward)")
     p.add_argument(
         "--recheck",
         action="store_true",
+        default=None,
         help="viasd: the full target's next batched forward re-checks the slim-settled tokens (lossless)",
     )
     p.add_argument(
         "--draft-confidence",
         type=float,
-        default=0.0,
+        default=None,
         metavar="FLOAT",
         help="stop drafting once the drafter's top-1 probability is below this, in [0, 1) (default 0: off)",
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (like every other error) and exit code 2; sub-commands
+    inherit it."""
+
+    def error(self, message: str):
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="viasd-tune", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="viasd-tune", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -125,32 +135,68 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The routing flags of ``generate``: a --profile pins all of them, so giving one with it is an error.
+ROUTING_FLAGS = {
+    "mode": "--mode",
+    "drafter": "--drafter",
+    "gamma": "--gamma",
+    "skip_attn": "--skip-attn",
+    "skip_mlp": "--skip-mlp",
+    "draft_skip_attn": "--draft-skip-attn",
+    "draft_skip_mlp": "--draft-skip-mlp",
+    "tau_accept": "--tau-accept",
+    "tau_escalate": "--tau-escalate",
+    "kl": "--kl",
+    "recheck": "--recheck",
+    "draft_confidence": "--draft-confidence",
+}
+
+
 def _decode_config(args) -> DecodeConfig:
     """The flags as a :class:`DecodeConfig`, validated (before any model loads)."""
     drafter = args.drafter or (
         "model" if args.draft else "self" if (args.draft_skip_attn or args.draft_skip_mlp) else "lookup"
     )
+
+    def given(name: str, default):
+        value = getattr(args, name)
+        return default if value is None else value
+
     return DecodeConfig(
-        mode=args.mode or "viasd",
-        gamma=args.gamma,
+        mode=given("mode", "viasd"),
+        gamma=given("gamma", 5),
         drafter=drafter,
         skip=SkipSet.parse(args.skip_attn, args.skip_mlp),
-        draft_skip=SkipSet.parse(args.draft_skip_attn, args.draft_skip_mlp),
-        tau_accept=args.tau_accept,
-        tau_escalate=args.tau_escalate,
-        kl=args.kl,
-        recheck=args.recheck,
-        draft_confidence=args.draft_confidence,
+        draft_skip=SkipSet.parse(
+            args.draft_skip_attn, args.draft_skip_mlp, ("--draft-skip-attn", "--draft-skip-mlp")
+        ),
+        tau_accept=given("tau_accept", 0.0),
+        tau_escalate=given("tau_escalate", 0.0),
+        kl=given("kl", "forward"),
+        recheck=given("recheck", False),
+        draft_confidence=given("draft_confidence", 0.0),
     )
+
+
+def _check_no_routing_flags(args) -> None:
+    """A profile pins the routing; a routing flag next to it would be silently ignored, so it is refused."""
+    clash = [flag for name, flag in ROUTING_FLAGS.items() if getattr(args, name) is not None]
+    if clash:
+        raise UserError(
+            f"{', '.join(clash)} cannot be combined with --profile, which sets the routing; drop "
+            f"{'them' if len(clash) > 1 else 'it'}, or leave out --profile to set the routing by flags"
+        )
 
 
 def cmd_generate(args) -> int:
     from . import models
     from .decoding.decoder import Decoder
 
+    check_generation(args.max_new_tokens, args.temperature, args.top_p, args.seed)  # before any model loads
     if args.profile:
         from . import runtime
 
+        _check_no_routing_flags(args)
         decoder = runtime.load(
             args.profile,
             model=args.model,

@@ -218,3 +218,31 @@ def _real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise UserError(f"{name} must be a number (got {value!r}); pass e.g. 0.5")
     return float(value)
+
+
+MAX_NEW_TOKENS_MAX = 1_000_000  # far beyond any context window; a bound so a typo cannot ask for 10**18
+
+
+def check_generation(max_new_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0, seed: Any = None) -> None:
+    """The per-request settings of ``generate`` (flags and :meth:`Decoder.generate` alike): checked before any
+    model loads, with the same one-line :class:`UserError`."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        raise UserError(
+            f"max_new_tokens (--max-new-tokens) must be a whole number >= 1 (got {max_new_tokens!r})"
+        )
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS_MAX:
+        raise UserError(
+            f"max_new_tokens (--max-new-tokens) must be from 1 to {MAX_NEW_TOKENS_MAX} (got {max_new_tokens})"
+        )
+    t = _real("temperature", temperature)
+    if not (math.isfinite(t) and t >= 0):
+        raise UserError(
+            f"temperature (--temperature) must be a finite number >= 0 (got {t}); 0 is greedy, 0.7 samples"
+        )
+    p = _real("top_p", top_p)
+    if not (math.isfinite(p) and 0 < p <= 1):
+        raise UserError(f"top_p (--top-p) must be in (0, 1] (got {p}); 1 keeps the whole distribution")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise UserError(f"seed (--seed) must be a whole number (got {seed!r})")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise UserError(f"seed (--seed) must be from 0 to 2**63 - 1 (got {seed})")

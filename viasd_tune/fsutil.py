@@ -7,6 +7,22 @@ import os
 import tempfile
 from pathlib import Path
 
+
+def check_output_file(path: str | os.PathLike[str], flag: str = "--out") -> Path:
+    """Refuse, in one line and before any work, an output file path that is a folder or lies under a file."""
+    from .errors import UserError
+
+    target = Path(path)
+    if str(path) == "" or target.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a folder (or empty); pass a file path such as profile.json")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} {path}: {parent} is a file, not a folder; pick another path")
+            break
+    return target
+
+
 # Read once at import (os.umask can only be read by setting it, which is not thread safe later on).
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)

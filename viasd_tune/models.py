@@ -181,6 +181,21 @@ def _gguf_architecture(path: Path) -> str:
         raise UserError(f"{path.name} is not a readable GGUF file ({e}); pass a valid .gguf file") from None
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def _one_line(e: Exception) -> str:
+    """A library exception as one bounded line (some end their first line with "one of:" and list below)."""
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
 def load(
     spec: str, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False
 ) -> LoadedModel:
@@ -191,6 +206,12 @@ def load(
     dt = resolve_dtype(dtype, dev)
     kind, source = _resolve_source(spec)
     where = str(_gguf_dir(source["path"], source["sha256"])) if kind == "gguf" else source.get("path", spec)
+    folder = Path(where)
+    if kind != "hub" and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(
+            f"model folder {where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "tokenizer files from where the model came from into it"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dt, trust_remote_code=trust_remote_code)
@@ -202,9 +223,9 @@ def load(
                 f"could not load {spec!r} from the Hugging Face hub (offline or unknown id); pass a local directory, "
                 f"a .gguf file, or a packaged name: {', '.join(PACKAGED)}"
             ) from None
-        raise UserError(f"could not load model from {where}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"could not load model from {where}: {_one_line(e)}") from None
     except ValueError as e:
-        raise UserError(f"could not load {spec!r}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"could not load {spec!r}: {_one_line(e)}") from None
     if kind == "hub":
         source["revision"] = getattr(model.config, "_commit_hash", None) or "unknown"
     model.to(dev).eval()

@@ -22,7 +22,7 @@ import jsonschema
 from jsonschema.exceptions import best_match
 
 from viasd_tune.errors import UserError
-from viasd_tune.fsutil import atomic_write_text
+from viasd_tune.fsutil import atomic_write_text, check_output_file
 
 SCHEMA_VERSION = 1
 _SCHEMA_FILE = "profile.schema.json"
@@ -54,6 +54,23 @@ def _fail(origin: str, path: str, problem: str) -> UserError:
     return UserError(_short(f"{_where(origin)}invalid profile at {path}: {problem}", 400))
 
 
+MAX_PROFILE_BYTES = 1 << 20  # an exported profile is a few kB
+MAX_PROFILE_DEPTH = 32  # its deepest value is 4 levels down
+_TOO_DEEP = f"the profile nests deeper than {MAX_PROFILE_DEPTH} levels; a profile is a flat record, re-export it"
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests more than ``limit`` containers deep (iterative: no recursion limit to hit)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def validate_profile(profile: dict[str, Any], origin: str = "") -> dict[str, Any]:
     """Check ``profile`` against the schema and the cross-field rules; return it unchanged if valid.
 
@@ -61,6 +78,8 @@ def validate_profile(profile: dict[str, Any], origin: str = "") -> dict[str, Any
     The version check runs first so a profile from a newer viasd-tune gets "upgrade" advice instead of a
     confusing schema error about fields this version does not know.
     """
+    if _too_deep(profile, MAX_PROFILE_DEPTH):
+        raise UserError(f"{_where(origin)}{_TOO_DEEP}")
     version = profile.get("schema_version") if isinstance(profile, dict) else None
     if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         raise UserError(
@@ -154,6 +173,11 @@ def load_profile(source: str | os.PathLike[str] | dict[str, Any]) -> dict[str, A
         return validate_profile(source)
     path = Path(source)
     try:
+        if path.stat().st_size > MAX_PROFILE_BYTES:
+            raise UserError(
+                f"{path.name} is {path.stat().st_size} bytes; a profile is a few kB (at most "
+                f"{MAX_PROFILE_BYTES}): pass the profile.json a search exported"
+            )
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"profile file {path} does not exist; check the path or export one first") from None
@@ -168,6 +192,8 @@ def load_profile(source: str | os.PathLike[str] | dict[str, Any]) -> dict[str, A
         ) from None
     except ValueError as exc:
         raise UserError(f"{path.name}: {exc}; use finite numbers") from None
+    except RecursionError:
+        raise UserError(f"{path.name}: {_TOO_DEEP}") from None
     if not isinstance(profile, dict):
         raise UserError(f"{path.name}: a profile must be a JSON object, got {type(profile).__name__}")
     return validate_profile(profile, origin=path.name)
@@ -175,6 +201,7 @@ def load_profile(source: str | os.PathLike[str] | dict[str, Any]) -> dict[str, A
 
 def write_profile(path: str | os.PathLike[str], profile: dict[str, Any]) -> None:
     """Validate, then write atomically so an interrupted export never leaves a half profile behind."""
+    check_output_file(path)
     validate_profile(profile, origin=Path(path).name)
     atomic_write_text(path, json.dumps(profile, indent=2, sort_keys=False, allow_nan=False) + "\n")
 

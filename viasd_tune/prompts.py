@@ -102,7 +102,14 @@ def _load_file(path: Path, text_field: str | None) -> list[Prompt]:
     prompts = []
     for index, row in enumerate(table):
         text = _first(row[text_col])
-        if text is None or not str(text).strip():
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise UserError(
+                f"{path}: row {index + 1}: the prompt column {text_col!r} holds a {type(text).__name__} "
+                f"({_preview(text)}), not text; fix the row or pick another column with --data-field"
+            )
+        if not text.strip():
             continue
         row_id = row[id_col] if id_col and row[id_col] is not None else index
         category = row.get("category")
@@ -171,6 +178,11 @@ def _text_column(columns: list[str], text_field: str | None, path: Path) -> str:
         f"no prompt text column in {path} (found: {', '.join(columns)}); "
         f"name one with --data-field or use one of: {', '.join(TEXT_COLUMNS)}"
     )
+
+
+def _preview(value: Any) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _first(value: Any) -> Any:

@@ -36,9 +36,11 @@ class SkipSet:
         return cls(frozenset(int(i) for i in attn), frozenset(int(i) for i in mlp))
 
     @classmethod
-    def parse(cls, attn: str | None, mlp: str | None) -> SkipSet:
-        """Parse CLI lists such as ``"3,5,7"`` or ranges ``"3-7"``."""
-        return cls.of(_parse_indices(attn, "--skip-attn"), _parse_indices(mlp, "--skip-mlp"))
+    def parse(
+        cls, attn: str | None, mlp: str | None, flags: tuple[str, str] = ("--skip-attn", "--skip-mlp")
+    ) -> SkipSet:
+        """Parse CLI lists such as ``"3,5,7"`` or ranges ``"3-7"``; ``flags`` name them in error messages."""
+        return cls.of(_parse_indices(attn, flags[0]), _parse_indices(mlp, flags[1]))
 
     def __or__(self, other: SkipSet) -> SkipSet:
         return SkipSet(self.attn | other.attn, self.mlp | other.mlp)
@@ -69,21 +71,36 @@ class SkipSet:
         return {"skip_attn": sorted(self.attn), "skip_mlp": sorted(self.mlp)}
 
 
+MAX_LAYER_INDEX = 9_999  # no model has this many layers; checked before a range is expanded
+
+
 def _parse_indices(text: str | None, flag: str) -> list[int]:
+    """``3,5,7`` or ``3-7`` (inclusive) → indices; a range is checked before it is expanded, so a typo such as
+    ``0-1000000000`` is a one-line error, not gigabytes of list."""
     if not text:
         return []
     out: list[int] = []
-    try:
-        for part in text.replace(" ", "").split(","):
-            if not part:
-                continue
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
             if "-" in part[1:]:
-                lo, hi = part.split("-", 1)
-                out.extend(range(int(lo), int(hi) + 1))
+                lo, hi = (int(x) for x in part.split("-", 1))
             else:
-                out.append(int(part))
-    except ValueError:
-        raise UserError(f"{flag} {text!r} is not a list of layer indices; write e.g. 3,5,7 or 3-7") from None
+                lo = hi = int(part)
+        except ValueError:
+            raise UserError(
+                f"{flag} {text!r} is not a list of layer indices; write e.g. 3,5,7 or 3-7"
+            ) from None
+        if lo > hi:
+            raise UserError(f"{flag}: the range {lo}-{hi} is reversed; write it low to high, e.g. {hi}-{lo}")
+        if lo < 0 or hi > MAX_LAYER_INDEX:
+            bad = lo if lo < 0 else hi
+            raise UserError(
+                f"{flag}: layer index {bad} is out of range; indices are 0 or more (and below the model's "
+                "layer count)"
+            )
+        out.extend(range(lo, hi + 1))
     return out
 
 

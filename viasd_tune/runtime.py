@@ -28,7 +28,8 @@ def check_fingerprint(role: str, expected: dict, actual: dict, strict: bool) -> 
         return
     msg = (
         f"the {role} model does not match the profile's fingerprint ({', '.join(diff)} differ); "
-        "load the model the profile was tuned on, or pass strict=False to use it anyway"
+        "load the model the profile was tuned on (--model/--draft name it on the command line); "
+        "only from Python, runtime.load(..., strict=False) uses another one anyway"
     )
     if strict:
         raise UserError(msg)

@@ -3,12 +3,13 @@ the search and the runtime all call."""
 
 from __future__ import annotations
 
+import numbers
 import time
 
 import torch
 from torch import nn
 
-from ..config import DRAFTERS, KL_KINDS, MODES, DecodeConfig
+from ..config import DRAFTERS, KL_KINDS, MODES, DecodeConfig, check_generation
 from ..errors import UserError
 from ..models import context_length
 from ..routing import install_skipping, num_layers
@@ -63,11 +64,23 @@ class Decoder:
             from ..prompts import encode_prompt
 
             ids = encode_prompt(self.tokenizer, prompt, chat)
-        elif prompt and isinstance(prompt[0], dict):
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             ids = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        else:
+        elif (
+            not isinstance(prompt, (bytes, dict))
+            and hasattr(prompt, "__iter__")
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+        ):  # token ids: a list, a tuple, a numpy array
             ids = [int(t) for t in prompt]
+        else:
+            raise UserError(
+                "the prompt must be text, chat messages (a list of dicts) or token ids "
+                f"(got {type(prompt).__name__})"
+            )
+        vocab = self.target.get_input_embeddings().num_embeddings
+        if any(not 0 <= t < vocab for t in ids):
+            raise UserError(f"the prompt's token ids must be in 0..{vocab - 1} (the model's vocabulary)")
         if not ids:
             raise UserError("the prompt is empty; give at least one token of text")
         return torch.tensor(ids, dtype=torch.long, device=self.target.device)
@@ -96,10 +109,7 @@ class Decoder:
 
         Per-tier times (``*_time_s``) are exact on the CPU; on CUDA they need a synchronize after every forward,
         which costs speed, so they are only measured with ``tier_timing``."""
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise UserError("temperature must be >= 0 and top_p in (0, 1]")
+        check_generation(max_new_tokens, temperature, top_p, seed)
         ids = self.encode(prompt, chat)
         ctx = context_length(self.target)
         if len(ids) + max_new_tokens > ctx:  # positions past it give garbage, not an error

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ..errors import UserError
 
+MAX_JOBS = 256  # worker processes on one machine
+
 
 def add_search_commands(sub, add_model_args) -> None:
     s = sub.add_parser("search", help="tune the routing with Optuna and export a profile")
@@ -56,6 +58,11 @@ def cmd_search(args) -> int:
     from ..models import DEFAULT_MODEL
     from .run import SearchSettings, run_search
 
+    if not 1 <= args.n_jobs <= MAX_JOBS:
+        bound = "at least 1" if args.n_jobs < 1 else f"at most {MAX_JOBS}"
+        raise UserError(
+            f"--n-jobs must be {bound} (got {args.n_jobs}); it is the worker processes to start"
+        )
     name = args.study_name or (Path(args.out).name if args.out else "default")
     settings = SearchSettings(
         model=args.model or DEFAULT_MODEL,
@@ -81,12 +88,6 @@ def cmd_search(args) -> int:
         progress=not args.no_progress,
         worker=args.worker,
     )
-    if args.trials < 1:
-        raise UserError("--trials must be at least 1")
-    if args.n_jobs < 1:
-        raise UserError(
-            f"--n-jobs must be at least 1 (got {args.n_jobs}); it is the worker processes to start"
-        )
     if args.n_jobs > 1:
         from .workers import run_workers
 
@@ -122,10 +123,12 @@ def print_summary(summary: dict) -> None:
 
 
 def cmd_export(args) -> int:
+    from ..fsutil import check_output_file
     from ..profile import write_profile
     from .export import build_profile, pick_trial
     from .storage import load_study
 
+    check_output_file(args.out)  # before the study is read
     study = load_study(args.storage, args.study_name)
     trial = pick_trial(study, args.pick)
     held = study.user_attrs.get(f"held_out:{trial.number}")
@@ -144,6 +147,10 @@ def cmd_export(args) -> int:
 def cmd_dashboard(args) -> int:
     from .. import dashboard
 
+    if args.out:
+        from ..fsutil import check_output_file
+
+        check_output_file(args.out)
     if args.out_dir:
         path = dashboard.dashboard_from_out_dir(args.out_dir, args.out)
     elif args.storage and args.study_name:

@@ -192,7 +192,33 @@ def load_space(name_or_path: str) -> SearchSpace:
     return _parse(text, source)
 
 
+MAX_SPACE_BYTES = 1 << 20  # a space is a page of YAML
+MAX_SPACE_NODES = 10_000  # values after YAML aliases are expanded (a space has about a hundred)
+
+
+def _too_big(data: Any, limit: int) -> bool:
+    """Whether ``data`` holds more than ``limit`` values counted as a tree, i.e. with every alias expanded
+    (iterative and bounded, so an alias bomb or a self-referencing anchor is refused at once)."""
+    stack, seen = [data], 0
+    while stack:
+        item = stack.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
+    return False
+
+
 def _parse(text: str, source: str) -> SearchSpace:
+    if len(text) > MAX_SPACE_BYTES:
+        raise UserError(
+            f"search space {source}: {len(text)} characters; a space is a page of YAML (at most "
+            f"{MAX_SPACE_BYTES}), start from the shipped default.yaml"
+        )
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -204,12 +230,23 @@ def _parse(text: str, source: str) -> SearchSpace:
         ) from None
     if data is None:
         raise UserError(f"search space {source}: $: the file is empty; start from the shipped default.yaml")
+    if _too_big(data, MAX_SPACE_NODES):
+        raise UserError(
+            f"search space {source}: $: expands to more than {MAX_SPACE_NODES} values (nested YAML aliases?); "
+            "write the space out plainly, as in the shipped default.yaml"
+        )
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(SCHEMA).iter_errors(data))
     if error is not None:
         raise UserError(f"search space {source}: {error.json_path}: {_explain(error)}")
 
     def frange(d: dict[str, Any], path: str) -> FloatRange:
         r = FloatRange(float(d["low"]), float(d["high"]), bool(d.get("log", False)))
+        for key in ("low", "high"):
+            if not math.isfinite(getattr(r, key)):
+                raise UserError(
+                    f"search space {source}: {path}.{key}: {getattr(r, key)} is not a finite number; "
+                    "give a number such as 0.5"
+                )
         if r.low > r.high:
             raise UserError(f"search space {source}: {path}: low {r.low} > high {r.high}; swap or fix them")
         if r.log and r.low <= 0:
@@ -222,6 +259,10 @@ def _parse(text: str, source: str) -> SearchSpace:
     budget = None
     if "budget" in skip:
         budget = FloatRange(float(skip["budget"]["min"]), float(skip["budget"]["max"]))
+        if not (math.isfinite(budget.low) and math.isfinite(budget.high)):
+            raise UserError(
+                f"search space {source}: $.skip.budget: min and max must be finite numbers in [0, 1]"
+            )
         if budget.low > budget.high:
             raise UserError(
                 f"search space {source}: $.skip.budget: min {budget.low} > max {budget.high}; "
@@ -403,9 +444,17 @@ def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> li
 def enqueue_known_points(
     study: optuna.Study, space: SearchSpace, num_layers: int, drafters: list[str]
 ) -> None:
-    """Enqueue the no-skip and plain-SD reference trials; a resumed study does not get them twice."""
+    """Enqueue the no-skip and plain-SD reference trials; a resumed study does not get them twice.
+
+    Only a reference trial that is waiting, running or finished counts as already there: one that failed
+    (Ctrl-C, a crash) is enqueued again, so the baselines are always measured. (Optuna's ``skip_if_exists``
+    counts failed trials too.)"""
+    TS = optuna.trial.TrialState
+    live = study.get_trials(deepcopy=False, states=(TS.WAITING, TS.RUNNING, TS.COMPLETE, TS.PRUNED))
+    have = [t.system_attrs.get("fixed_params") for t in live] + [t.params for t in live]
     for params in known_points(space, num_layers, drafters):
-        study.enqueue_trial(params, skip_if_exists=True)
+        if params not in have:
+            study.enqueue_trial(params)
 
 
 def space_signature(space: SearchSpace, num_layers: int) -> str:
