@@ -25,7 +25,7 @@ from viasd_tune.routing import SkipSet
 from viasd_tune.search import space as spaces
 from viasd_tune.search.run import SearchSettings
 
-SMOKE = spaces.files("viasd_tune") / "spaces" / "smoke.yaml"
+SMOKE = spaces.shipped_space_file("smoke")
 
 
 @pytest.fixture

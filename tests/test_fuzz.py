@@ -304,7 +304,7 @@ def test_fuzz_profile(valid_profile, stubbed, data):
 
 # ------------------------------------------------------------------ search spaces
 
-SMOKE = yaml.safe_load((spaces.files("viasd_tune") / "spaces" / "smoke.yaml").read_text())
+SMOKE = yaml.safe_load(spaces.shipped_space_file("smoke").read_text())
 SPACE_TEXTS = st.sampled_from(
     [
         "", "{}", "[]", "version: 1", ":\n:", "a: &a [*a]", "!!python/object/apply:os.system ['true']",
