@@ -153,7 +153,7 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
     load_s = time.perf_counter() - t0
     gamma, gamma_source = bm.resolve_gamma(s.gamma, profiles)
     eos = models.eos_ids(target.model, target.tokenizer)
-    methods = bm.build_methods(names, target, draft, profiles, gamma, eos)
+    methods = bm.build_methods(names, target, draft, profiles, gamma, eos, s.draft_confidence)
     encoded = prompts.encode_all(
         target.tokenizer,
         items,
@@ -230,6 +230,7 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
             "repeats": s.repeats,
             "gamma": gamma,
             "gamma_source": gamma_source,
+            "draft_confidence": s.draft_confidence,
             "eos_ids": sorted(eos),
             "methods": names,
             "skipped_methods": skipped,
