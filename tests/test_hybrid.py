@@ -326,3 +326,133 @@ def test_generate_cli(tiny_dirs, capsys):
         assert out["stats"]["rounds_lookup"] > 0
     assert main(base + ["--drafter", "lookup+model", "--lookup-min", "0", "--draft", draft]) == 2
     assert "--lookup-min" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- search
+
+
+def test_replay_prices_hybrid_rounds_as_decoding_runs_them(models):
+    """Along the target's own output the replay routes each round as the decoder does: the same rounds, the
+    same lookup rounds, the same full-target calls, and a draft forward only in model rounds. (The replay's
+    self-draft is a teacher-forced pass under its skip set, not a pass over the target's committed KV, so its
+    proposals, and with them the round boundaries, only approximate decoding's: exact counts are checked for
+    the draft model and lookup.)"""
+    from viasd_tune.search import costmodel, replay
+
+    target, draft = models
+    ids_all = prompts(6, seed=6)
+    refs = [replay.Reference(str(i), ids, greedy_ar(target, ids), 1.0) for i, ids in enumerate(ids_all)]
+    cache = replay.ReplayCache(target, refs, draft)
+    for drafter in ["lookup", "model", "self", *HYBRIDS]:
+        for lookup_min, tau_escalate in ((1, 0.0), (3, 0.0), (2, NEVER)):
+            dskip = DRAFT_SKIP if drafter.endswith("self") else SkipSet()  # the search skips no draft-model layer
+            cfg = DecodeConfig(
+                mode="viasd", gamma=4, drafter=drafter, draft_skip=dskip, lookup_min=lookup_min,
+                tau_escalate=tau_escalate,
+            )  # fmt: skip
+            est = replay.simulate(cache, cfg)
+            real = [run(target, cfg, ids, draft=draft).stats for ids in ids_all]
+            what = (drafter, lookup_min, tau_escalate)
+            assert est.tokens == sum(s.new_tokens for s in real) == len(refs) * N_NEW
+            assert est.fidelity == 1.0, what  # empty skip set: the slim verifier is the target
+            if not drafter.endswith("self"):
+                assert est.rounds == sum(s.rounds for s in real), what
+                assert est.rounds_lookup == sum(s.rounds_lookup for s in real), what
+                assert sum(t == "full" for t, _ in est.calls) == sum(s.full_calls for s in real), what
+                assert sum(t == "slim" for t, _ in est.calls) == sum(s.slim_calls for s in real), what
+            model_rounds = est.rounds - est.rounds_lookup
+            draft_calls = sum(t == "draft" for t, _ in est.calls)
+            assert (draft_calls == 0) == (model_rounds == 0), what  # lookup rounds make no draft forward
+            if drafter == "lookup":
+                assert est.rounds_lookup == est.rounds and draft_calls == 0
+            if drafter in ("model", "self"):
+                assert est.rounds_lookup == 0
+            if drafter in HYBRIDS and lookup_min == 1:
+                assert 0 < est.rounds_lookup < est.rounds, what  # both sources drafted
+    # The cost model prices a hybrid's draft calls as its model part's forwards.
+    cost = costmodel.CostModel(target=None, n_layers=4, draft_coef=(1.0, 0.0))
+    cost.target_time = lambda k, skip: 10.0  # type: ignore[method-assign]
+    assert cost.price([("draft", 3)], SkipSet(), DRAFT_SKIP, "lookup+model") == 1.0
+    assert cost.price([("draft", 3)], SkipSet(), DRAFT_SKIP, "lookup+self") == 10.0
+
+
+def _space(tmp_path, **changes):
+    import yaml
+
+    from viasd_tune.search.space import shipped_space_file
+
+    doc = yaml.safe_load(shipped_space_file("default").read_text())
+    doc.update(changes)
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in doc.items() if v is not None}))
+    return str(path)
+
+
+def test_search_space_hybrids_and_lookup_min(tmp_path):
+    import optuna
+
+    from viasd_tune.search import space as spaces
+
+    all_drafters = ["model", "self", "lookup", *HYBRIDS]
+    path = _space(tmp_path, drafter=HYBRIDS + ["lookup"], lookup_min={"low": 1, "high": 4})
+    space = spaces.load_space(path)
+    assert space.lookup_min == (1, 4)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    spaces.enqueue_known_points(study, space, 8, all_drafters)
+    configs: list[DecodeConfig] = []
+    study.optimize(lambda t: configs.append(spaces.suggest(t, space, 8, all_drafters)) or 0.0, n_trials=40)
+    # The reference points: no skip with the first drafter, then plain SD per drafter, at the lowest lookup_min.
+    assert [(c.drafter, c.lookup_min, c.tau_escalate == 0) for c in configs[:4]] == [
+        ("lookup+model", 1, False), ("lookup+model", 1, True), ("lookup+self", 1, True), ("lookup", 1, True),
+    ]  # fmt: skip
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        assert DecodeConfig.from_dict(trial.user_attrs["config"]) == cfg
+        assert ("lookup_min" in trial.params) == (cfg.drafter in HYBRIDS)
+        assert ("self_skip_frac" in trial.params) == (cfg.drafter == "lookup+self")
+        assert cfg.draft_skip.is_empty == (cfg.drafter != "lookup+self")
+        assert 1 <= cfg.lookup_min <= 4
+    assert {c.drafter for c in configs} == set(HYBRIDS + ["lookup"])
+    assert len({c.lookup_min for c in configs if c.drafter in HYBRIDS}) > 1  # searched
+    # Without a draft model, lookup+model is left out like model.
+    params = {"drafter": "lookup+self", "gamma": 4, "lookup_min": 2, "self_skip_frac": 0.5, "kl": "js"}
+    params |= {"tau_escalate": 1.0, "tau_accept_ratio": 0.5, "skip_frac": 0.0}
+    params |= {f"score_{k}_{i}": 0.5 for i in range(1, 7) for k in ("attn", "mlp")}
+    cfg = spaces.suggest(optuna.trial.FixedTrial(params), space, 8, ["self", "lookup", "lookup+self"])
+    assert cfg.drafter == "lookup+self" and cfg.lookup_min == 2 and not cfg.draft_skip.is_empty
+    with pytest.raises(UserError, match="none of .* is available"):
+        spaces.suggest(optuna.trial.FixedTrial(params), spaces.load_space(_space(tmp_path, drafter=["lookup+model"])),
+                       8, ["self", "lookup", "lookup+self"])  # fmt: skip
+    # Without the key lookup_min is 1 and not a parameter; the signature of such a space is what it was.
+    plain = spaces.load_space(_space(tmp_path, drafter=HYBRIDS))
+    assert plain.lookup_min is None
+    cfg = spaces.suggest(optuna.trial.FixedTrial({**params, "drafter": "lookup+model"}), plain, 8, all_drafters)
+    assert cfg.lookup_min == 1
+    assert spaces.space_signature(plain, 8) != spaces.space_signature(space, 8)
+    default = spaces.load_space("default")
+    import dataclasses
+    import hashlib
+
+    content = dataclasses.asdict(default)
+    del content["source"], content["lookup_min"]
+    old = {"space": content, "num_layers": 8, "decoding_version": spaces.DECODING_VERSION}
+    assert spaces.space_signature(default, 8) == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"lookup_min": {"low": 0, "high": 2}}, "$.lookup_min.low"),
+        ({"lookup_min": {"low": 3, "high": 2}}, "low 3 > high 2"),
+        ({"lookup_min": {"low": 1, "high": 65}}, "$.lookup_min.high"),
+        ({"lookup_min": {"low": 1.5, "high": 2}}, "$.lookup_min.low"),
+        ({"lookup_min": {"low": 1}}, "missing key 'high'"),
+        ({"drafter": ["lookup+self"], "self_draft": None}, "needed because drafter lists 'self' or 'lookup+self'"),
+        ({"drafter": ["lookup+nothing"]}, "$.drafter[0]"),
+    ],
+)  # fmt: skip
+def test_bad_search_spaces_are_refused(tmp_path, changes, needle):
+    from viasd_tune.search import space as spaces
+
+    with pytest.raises(UserError) as exc:
+        spaces.load_space(_space(tmp_path, **changes))
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
