@@ -456,3 +456,34 @@ def test_bad_search_spaces_are_refused(tmp_path, changes, needle):
     with pytest.raises(UserError) as exc:
         spaces.load_space(_space(tmp_path, **changes))
     assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("drafter", HYBRIDS)
+def test_runtime_serves_a_hybrid_profile(tiny_dirs, tmp_path, capsys, drafter):
+    from viasd_tune import models, runtime
+    from viasd_tune.profile import write_profile
+
+    target, draft = (models.load(path, "float32") for path in tiny_dirs)
+    cfg = DecodeConfig(
+        mode="viasd", gamma=3, drafter=drafter, skip=SkipSet.of([1], [2]), tau_accept=0.05, tau_escalate=2.0,
+        recheck=True, lookup_min=2, draft_skip=DRAFT_SKIP if drafter == "lookup+self" else SkipSet(),
+    )  # fmt: skip
+    p = make_profile()
+    decoding = cfg.to_profile()
+    p.update(decoding, dtype="float32", target={"name": tiny_dirs[0], "fingerprint": target.fingerprint})
+    p["draft"] = {"name": None, "fingerprint": None, **decoding["draft"]}
+    if drafter == "lookup+model":
+        p["draft"].update(name=tiny_dirs[1], fingerprint=draft.fingerprint)
+    path = tmp_path / "profile.json"
+    write_profile(path, p)
+    decoder = runtime.load(path)
+    assert decoder.config == cfg and (decoder.draft is not None) == (drafter == "lookup+model")
+    prompt = "abcdabcdabcdab"
+    out = decoder.generate(prompt, max_new_tokens=16)
+    ar = Decoder(target.model, target.tokenizer, DecodeConfig(mode="ar")).generate(prompt, max_new_tokens=16)
+    assert out.token_ids == ar.token_ids and out.stats.rounds_lookup > 0
+    assert main(["generate", "--profile", str(path), "--prompt", prompt, "--max-new-tokens", "16", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["rounds_lookup"] == out.stats.rounds_lookup and "rounds_model" in stats
+    assert main(["generate", "--profile", str(path), "--prompt", "x", "--lookup-min", "2"]) == 2
+    assert "--lookup-min cannot be combined with --profile" in capsys.readouterr().err
