@@ -487,3 +487,41 @@ def test_runtime_serves_a_hybrid_profile(tiny_dirs, tmp_path, capsys, drafter):
     assert stats["rounds_lookup"] == out.stats.rounds_lookup and "rounds_model" in stats
     assert main(["generate", "--profile", str(path), "--prompt", "x", "--lookup-min", "2"]) == 2
     assert "--lookup-min cannot be combined with --profile" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("mode", ["sd", "viasd-recheck"])
+def test_sampled_second_token_follows_the_target(mode):
+    """Sampling stays exact when the source switches with the prefix: after the prompt (no token recurs) the
+    draft model drafts, after a first token that occurs in the prompt lookup does (a one-hot proposal). The first
+    token must follow p, the second the target's marginal, sum over x of p(x) p(· | x) (chi-square, p < 0.001)."""
+    from test_sampling import INF, N_SEEDS, PROMPT, V, assert_fits, next_token_logits
+
+    from viasd_tune.decoding.common import Sampling, probs_from_logits
+
+    target, draft = tiny_model("llama", seed=0, layers=2, vocab=V), tiny_model("llama", seed=100, layers=1, vocab=V)
+    sampling = Sampling(1.0, 1.0)
+    if mode == "sd":
+        config = DecodeConfig(mode="sd", gamma=2, drafter="lookup+model")
+    else:
+        config = DecodeConfig(
+            mode="viasd", gamma=2, drafter="lookup+model", skip=SkipSet.of([0], [1]), tau_accept=0.0,
+            tau_escalate=INF, recheck=True,
+        )  # fmt: skip
+    decoder = Decoder(target, None, config, draft=draft, eos=set())
+    first = probs_from_logits(next_token_logits(target), sampling)
+    second = sum(
+        first[x] * probs_from_logits(next_token_logits(target, prompt=PROMPT + [x]), sampling) for x in range(V)
+    )
+    hist, hist_first = torch.zeros(V, dtype=torch.long), torch.zeros(V, dtype=torch.long)
+    lookup = model = 0
+    for seed in range(N_SEEDS):
+        out = decoder.generate(PROMPT, 2, temperature=1.0, seed=seed)
+        hist_first[out.token_ids[0]] += 1
+        hist[out.token_ids[1]] += 1
+        lookup, model = lookup + out.stats.rounds_lookup, model + out.stats.rounds_model
+    assert lookup > N_SEEDS // 10 and model >= N_SEEDS  # both sources drafted, model in every first round
+    assert_fits(hist_first, first, f"{mode} hybrid first token")
+    assert_fits(hist, second, f"{mode} hybrid second token")
