@@ -525,3 +525,43 @@ def test_sampled_second_token_follows_the_target(mode):
     assert lookup > N_SEEDS // 10 and model >= N_SEEDS  # both sources drafted, model in every first round
     assert_fits(hist_first, first, f"{mode} hybrid first token")
     assert_fits(hist, second, f"{mode} hybrid second token")
+
+
+def test_search_over_a_hybrid_space_exports_and_serves(tiny_dirs, tmp_path):
+    """End to end: a space of the hybrid only, lookup_min searched; every trial is a hybrid, a trial's profile keeps
+    the draft model and lookup_min, and it serves. (The search's own export may be plain decoding, which is
+    faster on tiny models; it must serve too.)"""
+    import optuna
+    import yaml
+
+    from viasd_tune import runtime
+    from viasd_tune.profile import load_profile, validate_profile
+    from viasd_tune.search.export import build_profile
+    from viasd_tune.search.run import SearchSettings, run_search
+    from viasd_tune.search.space import shipped_space_file
+
+    space = yaml.safe_load(shipped_space_file("smoke").read_text())
+    space.update(drafter=["lookup+model"], lookup_min={"low": 1, "high": 3})
+    (tmp_path / "hybrid.yaml").write_text(yaml.safe_dump(space))
+    out = tmp_path / "hyb"
+    settings = SearchSettings(
+        model=tiny_dirs[0], draft=tiny_dirs[1], dtype="float32", device="cpu", data="builtin", prompts=4, trials=3,
+        space=str(tmp_path / "hybrid.yaml"), max_new_tokens=8, out=str(out), min_fidelity=0.5, progress=False,
+    )  # fmt: skip
+    run_search(settings)
+    study = optuna.load_study(study_name="hyb", storage=f"sqlite:///{out / 'study.db'}")
+    configs = [DecodeConfig.from_dict(t.user_attrs["config"]) for t in study.trials]
+    assert len(configs) == 3 and {c.drafter for c in configs} == {"lookup+model"}
+    assert all(1 <= c.lookup_min <= 3 for c in configs)
+    assert runtime.load(load_profile(out / "profile.json")).generate("abc", max_new_tokens=4).stats.new_tokens == 4
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    for trial in done:
+        profile = validate_profile(build_profile(study, trial))
+        cfg = DecodeConfig.from_dict(trial.user_attrs["config"])
+        assert profile["drafter"] == profile["draft"]["kind"] == "lookup+model"
+        assert profile["draft"]["name"] == tiny_dirs[1] and profile["lookup_min"] == cfg.lookup_min
+        decoder = runtime.load(profile)
+        assert decoder.config == cfg and decoder.draft is not None
+        stats = decoder.generate("abcabcabcabc", max_new_tokens=6).stats
+        assert stats.new_tokens == 6 and stats.rounds_lookup > 0
+    assert done
