@@ -66,7 +66,9 @@ def cmd_search(args) -> int:
 
     if not 1 <= args.n_jobs <= MAX_JOBS:
         bound = "at least 1" if args.n_jobs < 1 else f"at most {MAX_JOBS}"
-        raise UserError(f"--n-jobs must be {bound} (got {args.n_jobs}); it is the worker processes to start")
+        raise UserError(
+            f"--n-jobs must be {bound} (got {args.n_jobs}); it is the worker processes to start"
+        )
     name = args.study_name or (Path(args.out).name if args.out else "default")
     settings = SearchSettings(
         model=args.model or DEFAULT_MODEL,
@@ -111,9 +113,7 @@ def print_summary(summary: dict) -> None:
             print(f"  dashboard: {summary['dashboard']}")
         return
     if m.get("slower_than_ar"):
-        print(
-            f"warning: trial {summary['trial']} runs at {m['speedup_measured']:.2f}x plain decoding on held-out prompts"
-        )
+        print(f"warning: trial {summary['trial']} runs at {m['speedup_measured']:.2f}x plain decoding on held-out prompts")
     vs_sd = f"{m['speedup_vs_sd']:.2f}x" if m.get("speedup_vs_sd") else "n/a"
     print(
         f"profile: {summary['profile']}  (trial {summary['trial']}, {summary['pareto']} on the feasible Pareto front)\n"

@@ -102,9 +102,7 @@ class SearchSettings:
                 f"--storage {redact_url(str(self.storage))!r} is not a storage URL; use "
                 "sqlite:///path/to/study.db or postgresql://user@host/db"
             )
-        if self.study_name is not None and (
-            not isinstance(self.study_name, str) or not self.study_name.strip()
-        ):
+        if self.study_name is not None and (not isinstance(self.study_name, str) or not self.study_name.strip()):
             raise UserError(f"--study-name must be a non-empty name (got {self.study_name!r})")
 
 
@@ -258,9 +256,7 @@ def run_search(s: SearchSettings) -> dict:
         "draft_fingerprint": draft.fingerprint if draft else None,
         "dtype": str(target.model.dtype).removeprefix("torch."),
         "device": dev.type,
-        "matrix_isa": host.matrix_isa(
-            str(dev)
-        ),  # whoever created the study; each measured trial records its own
+        "matrix_isa": host.matrix_isa(str(dev)),  # whoever created the study; each measured trial records its own
         "calibration": {
             "source": s.data,
             "prompt_ids": [p.id for p in calib],
@@ -315,9 +311,7 @@ def run_search(s: SearchSettings) -> dict:
         if not all(map(_finite, (m.speedup, m.fidelity, m.acceptance))):
             raise RuntimeError("non-finite measurement (the skip set may produce NaNs)")
         trial.set_user_attr("measured", True)
-        trial.set_user_attr(
-            "matrix_isa", host.matrix_isa(str(target.model.device))
-        )  # speeds differ 3x across hosts
+        trial.set_user_attr("matrix_isa", host.matrix_isa(str(target.model.device)))  # speeds differ 3x across hosts
         trial.set_user_attr("fidelity", m.fidelity)
         trial.set_user_attr("agreement", m.agreement)
         trial.set_user_attr("exact_match", m.exact)
