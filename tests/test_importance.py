@@ -164,3 +164,13 @@ def test_importance_round_trips_through_json():
     import json
 
     assert Importance.from_dict(json.loads(json.dumps(imp.to_dict()))) == imp
+
+
+@pytest.mark.parametrize("budget", [(0.0, 0.05), (0.3, 0.3), (0.0, 1.0), (0.9, 1.0)])
+def test_seed_sets_fit_any_budget_range(tmp_path, budget):
+    """Every seed set is one the space's budget encoding can express, however narrow the range (none when it
+    allows only the empty set)."""
+    imp = _imp(5, layers=8)
+    space = _space(tmp_path, budget=budget)
+    for skip in importance.seed_skip_sets(imp, space, 8):
+        assert _decode(space, importance.skip_params(space, 8, skip), 8) == skip

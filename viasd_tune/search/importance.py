@@ -201,16 +201,11 @@ def knapsack(
 
 
 def _count_range(space: spaces.SearchSpace, slots: int) -> tuple[int, int]:
-    """Skip sizes the space's encoding can express (the budget encoding skips round(frac * slots))."""
+    """Skip sizes the space's encoding can express (the budget encoding skips round(frac * slots), frac in its
+    range, and round is monotonic)."""
     if space.skip.encoding == "budget":
         assert space.skip.budget is not None
-        lo = int(np.ceil(space.skip.budget.low * slots - 0.5 + 1e-9))
-        hi = int(np.floor(space.skip.budget.high * slots + 0.5 - 1e-9))
-        while hi > lo and hi / slots > space.skip.budget.high:
-            hi -= 1
-        while lo < hi and lo / slots < space.skip.budget.low:
-            lo += 1
-        return max(lo, 0), max(min(hi, slots), 0)
+        return round(space.skip.budget.low * slots), round(space.skip.budget.high * slots)
     return 0, slots
 
 
@@ -225,12 +220,13 @@ def seed_skip_sets(imp: Importance, space: spaces.SearchSpace, n_layers: int) ->
         if len(chosen) >= lo:
             picks.append(chosen)
     ranked = ranking(imp, space, n_layers)
-    for size in np.linspace(max(lo, 1), hi, SIZES):
-        picks.append(ranked[: int(round(size))])
+    if hi >= max(lo, 1):
+        for size in np.linspace(max(lo, 1), hi, SIZES):
+            picks.append(ranked[: int(round(size))])
     out: list[SkipSet] = []
     for chosen in picks:
         skip = _as_skip(chosen)
-        if chosen and skip not in out and set(chosen) <= set(items):
+        if chosen and lo <= len(chosen) <= hi and skip not in out and set(chosen) <= set(items):
             out.append(skip)
     return out[:MAX_SEEDS]
 
@@ -250,8 +246,8 @@ def skip_params(space: spaces.SearchSpace, n_layers: int, skip: SkipSet) -> dict
     if space.skip.encoding == "per_sublayer":
         return {f"skip_{k}_{i}": (i, k) in chosen for i, k in slots}
     assert space.skip.budget is not None
-    frac = len(chosen) / len(slots)
-    if round(frac * len(slots)) != len(chosen) or not space.skip.budget.low <= frac <= space.skip.budget.high:
+    frac = min(max(len(chosen) / len(slots), space.skip.budget.low), space.skip.budget.high)
+    if round(frac * len(slots)) != len(chosen):
         raise ValueError(f"{len(chosen)} of {len(slots)} sub-layers is outside the space's skip budget")
     on = set(chosen)
     # The chosen sub-layers outscore the rest, so they are the round(frac * slots) ranked first.
