@@ -444,6 +444,24 @@ def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
     assert "decoded" in err and f"replayed={len(complete)}" in err
 
 
+def test_a_search_with_nothing_worth_decoding_stops(tiny_dirs, tmp_path, monkeypatch, caplog):
+    """When the screen rejects every sampled trial, the search still ends: after REPLAYS_PER_DECODE replays
+    per decode asked for (at least MIN_REPLAYS), with the reference points decoded and a warning saying so."""
+    from viasd_tune.search import run
+
+    monkeypatch.setattr(run, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(run, "MIN_REPLAYS", 9)
+    monkeypatch.setattr(run, "REPLAYS_PER_DECODE", 1)
+    out = tmp_path / "capped"
+    run_search(settings(tiny_dirs, out, trials=5, prompts=4, max_new_tokens=4))
+    study = optuna.load_study(study_name="capped", storage=f"sqlite:///{out / 'study.db'}")
+    states = [t.state for t in study.trials]
+    assert states == [optuna.trial.TrialState.COMPLETE] * 9
+    decoded = [t.number for t in study.trials if t.user_attrs["measured"]]
+    assert decoded == [0, 1, 2]  # the reference points: no skip, plain SD with the model and with lookup
+    assert "stopped after 9 replayed trials: only 3 were worth decoding for real (--trials 5)" in caplog.text
+
+
 def test_a_replayed_trial_is_decoded_only_if_it_could_enter_the_front():
     from viasd_tune.search.run import FRONT_SLACK, could_enter_front
 

@@ -509,15 +509,7 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
             bar.refresh()
             if s.timeout is not None and time.time() - start >= s.timeout:
                 break
-            if finished >= max_finished and not retry:
-                log.warning(
-                    "stopping after %d replayed trials: only %d were worth decoding for real (--trials %d)",
-                    finished,
-                    done,
-                    s.trials,
-                )
-                break
-            if done + running < s.trials or retry:
+            if (done + running < s.trials and finished + running < max_finished) or retry:
                 last.clear()
                 try:
                     study.optimize(
@@ -554,4 +546,11 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
         bar.close()
     if ran == 0 and done >= s.trials:
         log.warning("study already has %d decoded trials; exporting", done)
+    elif done < s.trials and finished >= max_finished:
+        log.warning(
+            "stopped after %d replayed trials: only %d were worth decoding for real (--trials %d)",
+            finished,
+            done,
+            s.trials,
+        )
     log.info("search ran %.0f s", time.time() - start)
