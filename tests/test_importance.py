@@ -76,6 +76,15 @@ def test_scores_are_those_of_a_pass_over_the_committed_cache(model, refs, one_th
     assert drop["mlp"][1] is None  # not asked for
 
 
+def test_at_most_max_blocks_are_scored_round_robin(model, refs, one_thread):
+    slots = [(2, "attn")]
+    _, _, positions = importance.score_sublayers(model, refs, slots, block=4, max_blocks=4)
+    # the first block of each of the 3 references, then the second block of the first
+    assert positions == 4 * 4
+    _, _, everything = importance.score_sublayers(model, refs, slots, block=4, max_blocks=None)
+    assert everything == sum(len(r.output) for r in refs)
+
+
 def _imp(seed: int, layers: int = 8, positions: int = 50) -> Importance:
     rng = random.Random(seed)
     drop = {k: [rng.randrange(0, 8) / positions for _ in range(layers)] for k in ("attn", "mlp")}
