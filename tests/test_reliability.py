@@ -271,6 +271,8 @@ def test_ctrl_c_keeps_finished_trials_and_a_failing_trial_fails_alone(
 
     monkeypatch.setattr(replay, "simulate", flaky_simulate)
     monkeypatch.setattr(search_run, "measure", nan_measure)
+    # Decode every trial the replay lets through: this test is about failures, not the front screen.
+    monkeypatch.setattr(search_run, "could_enter_front", lambda *a: True)
     target, draft = tiny_dirs
     settings = SearchSettings(
         model=target, draft=draft, dtype="float32", device="cpu", prompts=4, trials=trials, space="smoke",
