@@ -37,6 +37,17 @@ def model_drafter(drafter: str) -> str | None:
     return HYBRIDS.get(drafter, drafter) if drafter != "lookup" else None
 
 
+def _whole_up_to_gamma_max(config: DecodeConfig, name: str, not_whole: str, out_of_range: str) -> None:
+    """Check that the field ``name`` is a whole number (not a bool) from 1 to ``GAMMA_MAX``, and store it as an int.
+    The two messages are the field's own: what it is and how to fix it."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UserError(not_whole)
+    if not 1 <= value <= GAMMA_MAX:
+        raise UserError(out_of_range)
+    object.__setattr__(config, name, int(value))
+
+
 def _names(choices: tuple[str, ...]) -> str:
     return ", ".join(choices)
 
@@ -79,17 +90,14 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES, "--mode")
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, numbers.Integral):
-            raise UserError(
-                f"gamma must be a whole number from 1 to {GAMMA_MAX} (got {self.gamma!r}); "
-                "it is the number of drafted tokens per round"
-            )
-        if not 1 <= self.gamma <= GAMMA_MAX:
-            raise UserError(
-                f"gamma must be from 1 to {GAMMA_MAX} (got {self.gamma}); "
-                "it is the number of drafted tokens per round, set --gamma in that range"
-            )
-        object.__setattr__(self, "gamma", int(self.gamma))
+        _whole_up_to_gamma_max(
+            self,
+            "gamma",
+            f"gamma must be a whole number from 1 to {GAMMA_MAX} (got {self.gamma!r}); "
+            "it is the number of drafted tokens per round",
+            f"gamma must be from 1 to {GAMMA_MAX} (got {self.gamma}); "
+            "it is the number of drafted tokens per round, set --gamma in that range",
+        )
         _choice("drafter", self.drafter, DRAFTERS, "--drafter")
         for name, flags in (
             ("skip", "--skip-attn/--skip-mlp"),
@@ -124,17 +132,14 @@ class DecodeConfig:
                 "e.g. 0.4 stops drafting once the drafter's top-1 probability is below 0.4"
             )
         object.__setattr__(self, "draft_confidence", confidence)
-        if isinstance(self.lookup_min, bool) or not isinstance(self.lookup_min, numbers.Integral):
-            raise UserError(
-                f"lookup_min (--lookup-min) must be a whole number from 1 to {GAMMA_MAX} (got {self.lookup_min!r}); "
-                "it is the shortest prompt-lookup proposal a hybrid drafter uses"
-            )
-        if not 1 <= self.lookup_min <= GAMMA_MAX:
-            raise UserError(
-                f"lookup_min (--lookup-min) must be from 1 to {GAMMA_MAX} (got {self.lookup_min}); shorter "
-                "prompt-lookup proposals let the model drafter draft instead, e.g. 2"
-            )
-        object.__setattr__(self, "lookup_min", int(self.lookup_min))
+        _whole_up_to_gamma_max(
+            self,
+            "lookup_min",
+            f"lookup_min (--lookup-min) must be a whole number from 1 to {GAMMA_MAX} (got {self.lookup_min!r}); "
+            "it is the shortest prompt-lookup proposal a hybrid drafter uses",
+            f"lookup_min (--lookup-min) must be from 1 to {GAMMA_MAX} (got {self.lookup_min}); shorter "
+            "prompt-lookup proposals let the model drafter draft instead, e.g. 2",
+        )
 
     @property
     def model_drafter(self) -> str | None:
