@@ -261,17 +261,7 @@ def _fig_pareto(points: list[_Point], exported: _Point | None, min_fidelity: flo
             )
         )
     if exported is not None:
-        fig.add_trace(
-            go.Scatter(
-                x=[exported.speedup],
-                y=[exported.acceptance],
-                mode="markers",
-                name=f"exported profile (#{exported.number})",
-                marker=dict(symbol="star", size=22, color="gold", line=dict(width=1.5, color="black")),
-                hovertext=[_hover(exported, min_fidelity)],
-                hovertemplate="%{hovertext}<extra>exported</extra>",
-            )
-        )
+        fig.add_trace(_exported_star(exported, exported.speedup, exported.acceptance, 22, min_fidelity))
         fig.add_annotation(
             x=exported.speedup,
             y=exported.acceptance,
@@ -294,6 +284,19 @@ def _fig_pareto(points: list[_Point], exported: _Point | None, min_fidelity: flo
         yaxis_title="acceptance (tokens emitted per full-target call)",
         legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
         margin=dict(l=70, r=30, t=70, b=60),
+    )
+
+
+def _exported_star(exported: _Point, x: float, y: float, size: int, min_fidelity: float | None) -> go.Scatter:
+    """The exported profile as a gold star at (x, y), the same on every scatter of the page."""
+    return go.Scatter(
+        x=[x],
+        y=[y],
+        mode="markers",
+        name=f"exported profile (#{exported.number})",
+        marker=dict(symbol="star", size=size, color="gold", line=dict(width=1.5, color="black")),
+        hovertext=[_hover(exported, min_fidelity)],
+        hovertemplate="%{hovertext}<extra>exported</extra>",
     )
 
 
@@ -323,17 +326,7 @@ def _fig_fidelity(points: list[_Point], exported: _Point | None, min_fidelity: f
                 )
             )
     if exported is not None and exported.fidelity is not None:
-        fig.add_trace(
-            go.Scatter(
-                x=[exported.fidelity],
-                y=[exported.speedup],
-                mode="markers",
-                name=f"exported profile (#{exported.number})",
-                marker=dict(symbol="star", size=20, color="gold", line=dict(width=1.5, color="black")),
-                hovertext=[_hover(exported, min_fidelity)],
-                hovertemplate="%{hovertext}<extra>exported</extra>",
-            )
-        )
+        fig.add_trace(_exported_star(exported, exported.fidelity, exported.speedup, 20, min_fidelity))
     if min_fidelity is not None:
         fig.add_vline(x=min_fidelity, line=dict(color="#d62728", dash="dash", width=1))
         fig.add_annotation(
