@@ -271,7 +271,7 @@ def run_search(s: SearchSettings) -> dict:
     ar_model_time = sum(len(r.output) for r in refs) * cost.target_time(1, None)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
-        cfg = spaces.suggest(trial, space, n_layers, drafters)
+        cfg = spaces.suggest(trial, space, n_layers, drafters, num_layers(draft.model) if draft else None)
         est = replay.simulate(cache, cfg)
         modelled = ar_model_time / max(cost.price(est.calls, cfg.skip, cfg.draft_skip, cfg.drafter), 1e-9)
         trial.set_user_attr(
