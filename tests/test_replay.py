@@ -64,9 +64,8 @@ def replayed_calls(calls: list[tuple[str, int]]) -> dict:
     }
 
 
-def check(target, draft, cache, cfg: DecodeConfig, ps) -> replay.Estimate:
+def check(cache, cfg: DecodeConfig, results) -> replay.Estimate:
     """Prompt by prompt, so a difference names its prompt."""
-    results = decode(target, draft, cfg, ps)
     est = replay.Estimate()
     for i, r in enumerate(results):
         one = replay.Estimate()
@@ -101,10 +100,10 @@ def test_replay_matches_decoding(models, drafter: str) -> None:
     draft_skips = [SkipSet.of([1, 2], [1, 2])] if drafter == "self" else [SkipSet()]
     if drafter == "model":
         draft_skips.append(SkipSet.of([1], [1]))  # a skip set on the separate draft model
-    seen = {"recheck_rollback": 0, "slim": 0, "direct": 0, "lossy": 0}
+    seen = {"recheck_rollback": 0, "slim": 0, "direct": 0, "lossy": 0, "confidence": 0}
     grid = list(itertools.product(SKIPS, THRESHOLDS, [1, 3, 5], ["forward", "reverse", "js"], [False, True]))
     rng.shuffle(grid)
-    for skip, (ta, te), gamma, kl, recheck in grid[:40]:
+    for skip, (ta, te), gamma, kl, recheck in grid[:32]:
         confidence = rng.choice([0.0, 0.0, 0.3, 0.6]) if drafter != "lookup" else 0.0
         cfg = DecodeConfig(
             mode="viasd",
@@ -125,12 +124,15 @@ def test_replay_matches_decoding(models, drafter: str) -> None:
             # Exact only up to the first wrongly settled token (module doc): the replay says it is not exact.
             assert not replay.simulate(cache, cfg).exact
             continue
-        est = check(target, draft, cache, cfg, ps)
+        est = check(cache, cfg, results)
         seen["recheck_rollback"] += est.rollbacks
         seen["slim"] += est.tiers[1]
         seen["direct"] += est.tiers[0]
-    # The grid exercised what it is for: slim and direct tokens, and rollbacks under recheck.
+        seen["confidence"] += confidence > 0
+    # The grid exercised what it is for: slim and direct tokens, rollbacks under recheck, draft_confidence, and
+    # rounds the arrays could not answer (computed for real).
     assert seen["slim"] and seen["direct"] and seen["recheck_rollback"], seen
+    assert cache._real and (seen["confidence"] or drafter == "lookup"), seen
 
 
 @pytest.mark.parametrize("drafter", ["model", "self", "lookup"])
@@ -143,7 +145,7 @@ def test_replay_matches_plain_sd(models, drafter: str) -> None:
         cfg = DecodeConfig(
             mode=mode, gamma=gamma, drafter=drafter, draft_skip=draft_skip, draft_confidence=confidence
         )
-        est = check(target, draft, cache, cfg, ps)
+        est = check(cache, cfg, decode(target, draft, cfg, ps))
         assert est.tiers[2] == est.tokens  # every token the full target's
 
 

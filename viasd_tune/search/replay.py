@@ -36,7 +36,6 @@ from ..decoding.drafters import ModelDrafter, prompt_lookup
 from ..routing import SkipSet, num_layers
 
 KL = ("forward", "reverse", "js")
-TAIL = 16  # target tokens kept beyond each reference, so a last round's drafts are checked as the engine does
 
 
 @dataclass
@@ -116,7 +115,8 @@ class _RoundData:
 
 
 class _Prompt:
-    """One reference (extended by ``TAIL`` target tokens) and the per-prompt snapshots and arrays."""
+    """One reference, extended by the target's next ``cache.tail`` greedy tokens (a last round drafts past the
+    output and the engine verifies those drafts too), and the per-prompt snapshots."""
 
     def __init__(self, cache: ReplayCache, ref: Reference):
         self.ref, self.cache = ref, cache
@@ -126,7 +126,7 @@ class _Prompt:
         ext = ref.full.tolist()
         with torch.inference_mode():
             logits = lm.forward(ref.full, keep=1)
-            for _ in range(TAIL):
+            for _ in range(cache.tail):
                 ext.append(int(logits[-1].argmax()))
                 logits = lm.forward(torch.tensor(ext, device=ref.prompt_ids.device), keep=1)
         self.ext = ext
@@ -137,7 +137,7 @@ class _Prompt:
 
     def lookup(self, L: int, gamma: int) -> list[int]:
         if L not in self.lookups:
-            self.lookups[L] = prompt_lookup(torch.tensor(self.ext[:L]), TAIL).tolist()
+            self.lookups[L] = prompt_lookup(torch.tensor(self.ext[:L]), self.cache.tail).tolist()
         return self.lookups[L][:gamma]
 
     def draft_snapshot(self, skip: SkipSet) -> _Snapshot:
@@ -163,9 +163,10 @@ class ReplayCache:
         draft: nn.Module | None = None,
         max_new_tokens: int | None = None,
         eos: set[int] | None = None,
+        gamma_max: int = 15,
     ):
         """``max_new_tokens`` and ``eos``: what the references were decoded with (defaults: the longest output;
-        the last token of every shorter one)."""
+        the last token of every shorter one); ``gamma_max``: the largest γ to replay."""
         self.target, self.refs, self.draft = target, refs, draft
         self.num_layers = num_layers(target)
         self.max_new_tokens = max_new_tokens or max((len(r.output) for r in refs), default=1)
@@ -175,6 +176,7 @@ class ReplayCache:
             else {r.output[-1] for r in refs if r.output and len(r.output) < self.max_new_tokens}
         )
         self._draft_memo: dict[tuple, torch.Tensor] = {}
+        self.tail = gamma_max + 1
         self._prompts: dict[int, _Prompt] = {}
         self._arrays: dict[tuple, _Arrays] = {}
         self._real: dict[tuple, _RoundData] = {}
@@ -226,7 +228,7 @@ class ReplayCache:
             log_p = torch.log_softmax(s_logits, -1)
             table = {}
             for L in range(max(c + 1, p.P), len(p.ext)):
-                for t, tok in enumerate(p.lookup(L, TAIL)):
+                for t, tok in enumerate(p.lookup(L, self.tail)):
                     pos = L + t
                     if pos < len(p.ext):
                         table[pos, tok] = max(-float(log_p[pos - c - 1, tok]), 0.0)
@@ -448,7 +450,7 @@ class _Run:
         while start + m < len(tokens) and start + m < len(ext) and tokens[start + m] == ext[start + m]:
             m += 1
         if start + m >= len(ext):
-            raise RuntimeError("the replay ran past its reference tail; raise replay.TAIL")
+            raise RuntimeError("the replay ran past its reference tail; give ReplayCache a larger gamma_max")
         return m, ext[start + m]
 
     # ------------------------------------------------------------ the engine's round
@@ -579,9 +581,9 @@ def simulate(cache: ReplayCache, cfg: DecodeConfig) -> Estimate:
     """Replay a configuration (``sd`` or ``viasd``, greedy) on every calibration prompt."""
     if cfg.mode == "ar":
         raise ValueError("the replay prices speculative configurations; AR is the reference itself")
-    if cfg.gamma >= TAIL:
+    if cfg.gamma >= cache.tail:
         raise ValueError(
-            f"the replay keeps {TAIL} target tokens past each reference: gamma must be below that"
+            f"the replay was built for gamma up to {cache.tail - 1} (ReplayCache's gamma_max); got {cfg.gamma}"
         )
     est = Estimate(slim_cost=1.0 - cfg.skip.fraction(cache.num_layers) if cfg.mode == "viasd" else 1.0)
     with torch.inference_mode():
