@@ -164,3 +164,27 @@ def test_simulate_totals_and_estimate(models) -> None:
     full = sum(r.stats.full_calls for r in results)
     slim = sum(r.stats.slim_calls for r in results)
     assert est.acceptance == pytest.approx(replay.acceptance(est.tokens, full, slim, est.slim_cost))
+
+
+def test_replay_matches_decoding_with_sliding_window_layers(one_thread) -> None:
+    """Gemma-3's sliding layers trim their cache: the replay rebuilds a committed cache by a forward there."""
+    target = tiny_model("gemma3", seed=4, layers=4)
+    install_skipping(target)
+    draft = noisy_copy(target, 0.3, seed=5)
+    ps = [torch.tensor([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 9]), torch.tensor([30, 31, 30])]
+    cache = replay.ReplayCache(target, references(target, ps), draft, max_new_tokens=MAX_NEW, eos=EOS)
+    assert cache.prompt(0).target.sliding
+    for drafter, recheck in itertools.product(["model", "self"], [False, True]):
+        cfg = DecodeConfig(
+            gamma=4,
+            drafter=drafter,
+            skip=SkipSet.of([1], [2]),
+            draft_skip=SkipSet.of([1, 2], [1, 2]) if drafter == "self" else SkipSet(),
+            tau_accept=0.05,
+            tau_escalate=1.0,
+            recheck=recheck,
+            draft_confidence=0.3,
+        )
+        results = decode(target, draft, cfg, ps)
+        if recheck or all(r.token_ids == ref.output for r, ref in zip(results, cache.refs, strict=True)):
+            check(cache, cfg, results)
