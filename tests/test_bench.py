@@ -470,3 +470,38 @@ def test_bench_and_page_do_not_import_the_cli_or_each_other():
         assert "viasd_tune.cli" not in imported(path), path
         assert "viasd_tune.dashboard" not in imported(path), path
     assert not {"viasd_tune.dashboard", "viasd_tune.bench"} & imported(root / "page.py")
+
+
+def test_recheck_variant_is_lossless_beside_the_profile(tiny_dirs, calibration_ids, tmp_path):
+    """``viasd+recheck:<name>`` runs the same profile with recheck on: in fp32 its output is hf's, token for token,
+    and our sd with a draft-confidence cut is lossless too and reports the cut in its settings."""
+    profile = tmp_path / "tinyprof" / "profile.json"
+    data = tiny_profile(tiny_dirs, calibration_ids)
+    data["thresholds"] = {"tau_accept": 0.5, "tau_escalate": 50.0, "kl": "js"}  # the slim tier settles most
+    write_profile(profile, data)
+    out = tmp_path / "out"
+    argv = ["bench", "--model", tiny_dirs[0], "--draft", tiny_dirs[1], "--profile", str(profile)]
+    argv += ["--data", "builtin", "--categories", "translation", "--prompts", "2", "--out", str(out)]
+    argv += ["--methods", "sd,viasd,viasd+recheck", "--draft-confidence", "0.3"]
+    assert main(argv + FAST) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["meta"]["methods"] == ["hf", "sd", "viasd:tinyprof", "viasd+recheck:tinyprof"]
+    assert result["meta"]["draft_confidence"] == 0.3
+    assert result["methods"]["sd"]["settings"]["draft_confidence"] == 0.3
+    assert result["methods"]["viasd+recheck:tinyprof"]["settings"]["recheck"] is True
+    assert result["methods"]["viasd:tinyprof"]["settings"]["recheck"] is False
+    for m in ("sd", "viasd+recheck:tinyprof"):
+        assert result["summary"][m]["exact_match"] == 1.0, m
+    runs = [r for r in result["records"] if r["method"] == "viasd+recheck:tinyprof"]
+    assert sum(r["stats"]["slim_calls"] for r in runs) > 0  # the slim tier ran, and the recheck kept it exact
+    assert all(len(r["tiers"]) == r["tokens"] for r in runs)
+    assert "--draft-confidence 0.3" in result["meta"]["command"]
+
+
+def test_recheck_method_needs_a_profile():
+    with pytest.raises(viasd_tune.errors.UserError, match="no --profile"):
+        bench_methods.plan_methods(["viasd+recheck"], True, [])
+    names, _ = bench_methods.plan_methods(["viasd+recheck:a", "viasd:b"], True, ["a", "b"])
+    assert names == ["hf", "viasd+recheck:a", "viasd:b"]
+    with pytest.raises(viasd_tune.errors.UserError, match="unknown method"):
+        bench_methods.plan_methods(["viasd+recheck:c"], True, ["a"])

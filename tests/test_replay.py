@@ -75,7 +75,7 @@ def check(cache, cfg: DecodeConfig, results) -> replay.Estimate:
         assert one.tier_labels[0] == r.tiers, where
         assert replayed_calls(one.calls) == calls_of(r.stats), where
         s = r.stats
-        assert (one.rounds, one.drafted) == (s.rounds, s.drafted), where
+        assert (one.rounds, one.drafted, one.rounds_lookup) == (s.rounds, s.drafted, s.rounds_lookup), where
         assert (one.rechecked, one.rollbacks, one.rolled_back_tokens) == (
             s.rechecked,
             s.rollbacks,
@@ -91,14 +91,14 @@ SKIPS = [SkipSet(), SkipSet.of([1], [2]), SkipSet.of([1, 2], [1, 2]), SkipSet.of
 THRESHOLDS = [(0.0, 0.0), (0.05, 0.5), (0.5, 3.0), (2.0, 50.0), (50.0, 50.0)]
 
 
-@pytest.mark.parametrize("drafter", ["model", "self", "lookup"])
+@pytest.mark.parametrize("drafter", ["model", "self", "lookup", "lookup+model"])
 def test_replay_matches_decoding(models, drafter: str) -> None:
     target, draft = models
-    ps = prompts(4, seed={"model": 0, "self": 1, "lookup": 2}[drafter])
+    ps = prompts(4, seed={"model": 0, "self": 1, "lookup": 2, "lookup+model": 3}[drafter])
     cache = replay.ReplayCache(target, references(target, ps), draft, max_new_tokens=MAX_NEW, eos=EOS)
     rng = random.Random(7)
-    draft_skips = [SkipSet.of([1, 2], [1, 2])] if drafter == "self" else [SkipSet()]
-    if drafter == "model":
+    draft_skips = [SkipSet.of([1, 2], [1, 2])] if drafter.endswith("self") else [SkipSet()]
+    if drafter.endswith("model"):
         draft_skips.append(SkipSet.of([1], [1]))  # a skip set on the separate draft model
     seen = {"recheck_rollback": 0, "slim": 0, "direct": 0, "lossy": 0, "confidence": 0}
     grid = list(itertools.product(SKIPS, THRESHOLDS, [1, 3, 5], ["forward", "reverse", "js"], [False, True]))
@@ -116,6 +116,7 @@ def test_replay_matches_decoding(models, drafter: str) -> None:
             kl=kl,
             recheck=recheck,
             draft_confidence=confidence,
+            lookup_min=rng.choice([1, 2, 4]),
         )
         results = decode(target, draft, cfg, ps)
         if any(r.token_ids != ref.output for r, ref in zip(results, cache.refs, strict=True)):
@@ -135,12 +136,12 @@ def test_replay_matches_decoding(models, drafter: str) -> None:
     assert cache._real and (seen["confidence"] or drafter == "lookup"), seen
 
 
-@pytest.mark.parametrize("drafter", ["model", "self", "lookup"])
+@pytest.mark.parametrize("drafter", ["model", "self", "lookup", "lookup+model", "lookup+self"])
 def test_replay_matches_plain_sd(models, drafter: str) -> None:
     target, draft = models
     ps = prompts(4, seed=3)
     cache = replay.ReplayCache(target, references(target, ps), draft, max_new_tokens=MAX_NEW, eos=EOS)
-    draft_skip = SkipSet.of([1, 2], [1, 2]) if drafter == "self" else SkipSet()
+    draft_skip = SkipSet.of([1, 2], [1, 2]) if drafter.endswith("self") else SkipSet()
     for mode, gamma, confidence in itertools.product(["sd", "viasd"], [1, 4, 7], [0.0, 0.5]):
         cfg = DecodeConfig(
             mode=mode, gamma=gamma, drafter=drafter, draft_skip=draft_skip, draft_confidence=confidence

@@ -44,7 +44,7 @@ def load(
     prof = load_profile(profile if isinstance(profile, dict) else os.fspath(profile))
     config = DecodeConfig.from_profile(prof)
     # Checked against the fingerprints' layer counts before any model loads (and by the decoder once they have).
-    draft_layers = prof["draft"]["fingerprint"]["num_layers"] if config.drafter == "model" else None
+    draft_layers = prof["draft"]["fingerprint"]["num_layers"] if config.model_drafter == "model" else None
     config.validate(prof["target"]["fingerprint"]["num_layers"], draft_layers)
     dtype = dtype or prof["dtype"]
     device = device or ("cuda" if prof["device"] == "cuda" and models.torch.cuda.is_available() else "cpu")
@@ -60,7 +60,7 @@ def load(
 
     target = get(model, prof["target"], "target")
     draft_lm = None
-    if config.drafter == "model" and config.mode != "ar":
+    if config.model_drafter == "model" and config.mode != "ar":
         draft_lm = get(draft, prof["draft"], "draft")
         models.check_same_tokenizer(target, draft_lm)
     return Decoder(target.model, target.tokenizer, config, draft=draft_lm.model if draft_lm else None)

@@ -18,6 +18,7 @@ Methods (``hf`` always runs: it is the baseline every speedup is measured agains
 ``hf-lookup``               HF prompt-lookup decoding (γ tokens, n-grams up to 3 like ours); default without --draft
 ``sd``                      our lossless speculative decoding: the draft model, or prompt lookup without --draft
 ``viasd:<name>``            a tuned profile, loaded with ``runtime.load`` on the already-loaded models
+``viasd+recheck:<name>``    the same profile with ``recheck`` on (lossless VIA-SD)
 ==========================  ===================================================================================
 
 Modules, one job each:

@@ -37,8 +37,16 @@ def add_bench_command(sub, add_model_args: Callable, default_model: str | None =
         "--gamma", type=int, default=None, help="γ for sd/hf-assisted/hf-lookup (default: profile's, else 5)"
     )
     b.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=0.0,
+        metavar="C",
+        help="our sd stops drafting after a pick below this probability, γ stays the cap (0: off; HF uses 0.4)",
+    )
+    b.add_argument(
         "--methods",
-        help=f"comma-separated subset of {', '.join(FIXED_METHODS)}, viasd (all profiles) or viasd:<name>; "
+        help=f"comma-separated subset of {', '.join(FIXED_METHODS)}, viasd (all profiles), viasd:<name>, "
+        "viasd+recheck (all profiles with recheck on) or viasd+recheck:<name>; "
         f"hf always runs; {' and '.join(HF_ASSISTED_OPT_IN)} run only when named",
     )
     b.add_argument("--chat", choices=list(prompts.CHAT_MODES), default="auto")
@@ -84,6 +92,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         gamma=args.gamma,
+        draft_confidence=args.draft_confidence,
         methods=split_list(args.methods),
         chat=args.chat,
         seed=args.seed,

@@ -29,6 +29,7 @@ HF_ASSISTED_OPT_IN = ("hf-assisted-conf", "hf-assisted-heuristic")  # only when 
 HF_ASSISTED = (*HF_ASSISTED_DEFAULT, *HF_ASSISTED_OPT_IN)
 FIXED_METHODS = (BASELINE, "ar", *HF_ASSISTED, "hf-lookup", "sd")
 VIASD_PREFIX = "viasd:"
+RECHECK_PREFIX = "viasd+recheck:"  # the same profile with recheck on: lossless VIA-SD beside the lossy one
 LOOKUP_NGRAM = 3  # our LookupDrafter's longest n-gram; hf-lookup gets the same
 DEFAULT_GAMMA = 5
 
@@ -81,11 +82,17 @@ class Method:
         return self.decoder is not None
 
 
+def is_viasd(name: str) -> bool:
+    """A method that decodes with a tuned profile (with or without recheck)."""
+    return name.startswith((VIASD_PREFIX, RECHECK_PREFIX))
+
+
 def plan_methods(
     requested: list[str] | None, has_draft: bool, profile_names: list[str]
 ) -> tuple[list[str], dict[str, str]]:
     """Which methods run (``hf`` first) and which default ones are skipped, with the reason."""
     viasd = [VIASD_PREFIX + n for n in profile_names]
+    recheck = [RECHECK_PREFIX + n for n in profile_names]
     skipped: dict[str, str] = {}
     if requested is None:
         names = [BASELINE, "ar"]
@@ -98,17 +105,19 @@ def plan_methods(
         return names + viasd, skipped
     names = []
     for m in requested:
+        if m in ("viasd", "viasd+recheck") and not profile_names:
+            raise UserError(f"--methods names {m} but no --profile was given; pass --profile P")
         if m == "viasd":
             names += viasd
-        elif m in FIXED_METHODS or m in viasd:
+        elif m == "viasd+recheck":
+            names += recheck
+        elif m in FIXED_METHODS or m in viasd or m in recheck:
             names.append(m)
         else:
-            known = [*FIXED_METHODS, "viasd", *viasd]
+            known = [*FIXED_METHODS, "viasd", "viasd+recheck", *viasd, *recheck]
             raise UserError(f"unknown method {m!r} in --methods; choose from {', '.join(known)}")
         if m in HF_ASSISTED and not has_draft:
             raise UserError(f"method {m} is HF assisted generation and needs a draft model; pass --draft")
-        if m == "viasd" and not viasd:
-            raise UserError("--methods names viasd but no --profile was given")
     if BASELINE not in names:
         names.insert(0, BASELINE)
     return list(dict.fromkeys(names)), skipped
@@ -171,14 +180,16 @@ def build_methods(
     profiles: list[BenchProfile],
     gamma: int,
     eos: set[int],
+    draft_confidence: float = 0.0,
 ) -> dict[str, Method]:
-    """Decoders and HF arguments for every method, sharing the already-loaded models."""
+    """Decoders and HF arguments for every method, sharing the already-loaded models. ``draft_confidence`` is
+    our ``sd``'s (0: always γ drafts)."""
     from .. import runtime
     from ..config import DecodeConfig
     from ..decoding.decoder import Decoder
 
     tm, tok = target.model, target.tokenizer
-    by_name = {VIASD_PREFIX + b.name: b for b in profiles}
+    by_name = {VIASD_PREFIX + b.name: b for b in profiles} | {RECHECK_PREFIX + b.name: b for b in profiles}
     out: dict[str, Method] = {}
     for name in names:
         if name == BASELINE:
@@ -189,14 +200,16 @@ def build_methods(
             )
         elif name == "sd":
             drafter = "model" if draft is not None else "lookup"
-            cfg = DecodeConfig(mode="sd", gamma=gamma, drafter=drafter)
+            cfg = DecodeConfig(mode="sd", gamma=gamma, drafter=drafter, draft_confidence=draft_confidence)
             dec = Decoder(tm, tok, cfg, draft=draft.model if draft else None, eos=eos)
             what = "the draft model" if draft is not None else "prompt lookup"
+            if draft_confidence:
+                what += f", drafting stops below confidence {draft_confidence:g}"
             out[name] = Method(
                 name,
                 f"ours, lossless SD, γ={gamma}, {what}",
                 dec,
-                settings={"gamma": gamma, "drafter": drafter},
+                settings={"gamma": gamma, "drafter": drafter, "draft_confidence": draft_confidence},
             )
         elif name == "hf-lookup":
             kw = {"prompt_lookup_num_tokens": gamma, "max_matching_ngram_size": LOOKUP_NGRAM}
@@ -208,12 +221,14 @@ def build_methods(
             out[name] = Method(name, what, assistant_config=config, settings=assistant_settings(config))
         else:
             b = by_name[name]
-            dec = runtime.load(b.data, model=target, draft=draft, strict=True)
+            recheck = name.startswith(RECHECK_PREFIX)
+            data = {**b.data, "recheck": True} if recheck else b.data
+            dec = runtime.load(data, model=target, draft=draft, strict=True)
             dec.eos = eos
             c = dec.config
             out[name] = Method(
                 name,
-                f"ours, VIA-SD profile {b.path}",
+                f"ours, VIA-SD profile {b.path}" + (", recheck on (lossless)" if recheck else ""),
                 dec,
                 settings={
                     "profile": b.path,
@@ -224,6 +239,9 @@ def build_methods(
                     "tau_accept": c.tau_accept,
                     "tau_escalate": c.tau_escalate,
                     "kl": c.kl,
+                    "lookup_min": c.lookup_min,
+                    "recheck": c.recheck,
+                    "draft_confidence": c.draft_confidence,
                     "profile_dtype": b.data["dtype"],
                 },
             )
@@ -329,7 +347,7 @@ class Runner:
             seconds = time.perf_counter() - t0
             out = list(res.token_ids)
             rec["stats"] = res.stats.to_dict()
-            if res.tiers and method.name.startswith(VIASD_PREFIX):
+            if res.tiers and is_viasd(method.name):
                 rec["tiers"] = list(res.tiers)
             full_calls = res.stats.full_calls
         else:

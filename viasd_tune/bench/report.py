@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..fsutil import atomic_write_text
 from ..page import esc, facts_table, figure_html, page_html
-from .methods import BASELINE, VIASD_PREFIX
+from .methods import BASELINE, is_viasd
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -160,7 +160,7 @@ def _accuracy_cell(acc: dict) -> str:
 
 
 def _shares_cell(shares: dict | None, method: str) -> str:
-    if shares is None or not method.startswith(VIASD_PREFIX):
+    if shares is None or not is_viasd(method):
         return "–"
     return " / ".join(f"{shares[k]:.0%}" for k in ("direct", "slim", "full"))
 

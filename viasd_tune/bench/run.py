@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import prompts
+from ..config import model_drafter
 from ..errors import UserError
 from . import methods as bm
 from .contention import load_average
@@ -54,7 +55,7 @@ def load_models(
     """Target and draft, loaded once for every method (profiles reuse them)."""
     from .. import models
 
-    needs_draft = [b.name for b in profiles if b.data["drafter"] == "model"]
+    needs_draft = [b.name for b in profiles if model_drafter(b.data["drafter"]) == "model"]
     if needs_draft and not s.draft:
         want = profiles[[b.name for b in profiles].index(needs_draft[0])].data["draft"]["name"]
         raise UserError(
@@ -153,7 +154,7 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
     load_s = time.perf_counter() - t0
     gamma, gamma_source = bm.resolve_gamma(s.gamma, profiles)
     eos = models.eos_ids(target.model, target.tokenizer)
-    methods = bm.build_methods(names, target, draft, profiles, gamma, eos)
+    methods = bm.build_methods(names, target, draft, profiles, gamma, eos, s.draft_confidence)
     encoded = prompts.encode_all(
         target.tokenizer,
         items,
@@ -230,6 +231,7 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
             "repeats": s.repeats,
             "gamma": gamma,
             "gamma_source": gamma_source,
+            "draft_confidence": s.draft_confidence,
             "eos_ids": sorted(eos),
             "methods": names,
             "skipped_methods": skipped,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ class BenchSettings:
     max_new_tokens: int = 64
     repeats: int = 3
     gamma: int | None = None
+    draft_confidence: float = 0.0  # our sd's: stop drafting below this top-1 probability (0: off)
     methods: list[str] | None = None
     chat: str = "auto"
     seed: int = 0
@@ -57,6 +59,11 @@ class BenchSettings:
             raise UserError(
                 f"--gamma must be at least 1 (got {self.gamma}); it is the draft tokens per round"
             )
+        if not (math.isfinite(self.draft_confidence) and 0 <= self.draft_confidence < 1):
+            raise UserError(
+                f"--draft-confidence must be in [0, 1) (got {self.draft_confidence}); 0 turns it off, "
+                "0.4 is what HF's assisted generation uses"
+            )
         if self.chat not in prompts.CHAT_MODES:
             raise UserError(f"--chat must be one of {', '.join(prompts.CHAT_MODES)} (got {self.chat!r})")
         out = Path(self.out)
@@ -81,6 +88,8 @@ def command_line(s: BenchSettings) -> str:
     parts += ["--max-new-tokens", str(s.max_new_tokens), "--repeats", str(s.repeats)]
     if s.gamma is not None:
         parts += ["--gamma", str(s.gamma)]
+    if s.draft_confidence:
+        parts += ["--draft-confidence", f"{s.draft_confidence:g}"]
     if s.methods:
         parts += ["--methods", ",".join(s.methods)]
     parts += ["--chat", s.chat, "--seed", str(s.seed), "--dtype", s.dtype, "--device", s.device]

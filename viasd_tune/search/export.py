@@ -10,7 +10,7 @@ from pathlib import Path
 
 import optuna
 
-from ..config import DecodeConfig
+from ..config import DecodeConfig, model_drafter
 from ..errors import UserError
 from ..profile import SCHEMA_VERSION, package_versions, write_profile
 from .front import pareto_front
@@ -74,7 +74,7 @@ def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out
     a = study.user_attrs
     decoding = DecodeConfig.from_dict(trial.user_attrs["config"]).to_profile()
     draft: dict = {"kind": decoding["drafter"], "name": None, "fingerprint": None, **decoding.pop("draft")}
-    if draft["kind"] == "model":
+    if model_drafter(draft["kind"]) == "model":
         draft.update(name=a["draft"], fingerprint=a["draft_fingerprint"])
     shares = trial.user_attrs.get("tier_shares", {"direct": 0.0, "slim": 0.0, "full": 1.0})
     metrics = held_out or {

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import DecodeConfig
+from ..config import DecodeConfig, model_drafter
 from ..decoding.common import DIRECT, FULL, GREEDY, SLIM, CachedLM, Sequence, Stats, divergence
 from ..decoding.drafters import ModelDrafter, prompt_lookup
 from ..routing import SkipSet, num_layers
@@ -102,6 +102,7 @@ class _RoundData:
     s: list[int]
     d: list[float]
     k: int
+    lookup: bool = False  # drafted by prompt lookup (plain, or a hybrid's lookup hit): no draft forward
 
     def draft(self, t: int) -> int:
         if t >= len(self.drafts):
@@ -217,14 +218,15 @@ class ReplayCache:
     @torch.inference_mode()
     def slim_arrays(self, i: int, skip: SkipSet, drafter: str, draft_skip: SkipSet, c: int) -> _Arrays:
         """The slim verifier over the target's cache committed to ``c``: its choice and D to the drafter."""
-        key = ("slim", i, skip, drafter, draft_skip if drafter != "lookup" else None, c)
+        source = model_drafter(drafter)
+        key = ("slim", i, skip, drafter, draft_skip if source is not None else None, c)
         if key in self._arrays:
             return self._arrays[key]
         p = self.prompt(i)
         s_logits = p.target.at(c).speculate(p.ids, skip, tier="slim")  # predicts positions c + 1 …
         pick, prob = _rows(s_logits)
         arrays = _Arrays(pick, prob, start=c + 1)
-        if drafter == "lookup":
+        if source != drafter:  # prompt lookup drafts (some) rounds: plain lookup or a hybrid
             log_p = torch.log_softmax(s_logits, -1)
             table = {}
             for L in range(max(c + 1, p.P), len(p.ext)):
@@ -233,9 +235,9 @@ class ReplayCache:
                     if pos < len(p.ext):
                         table[pos, tok] = max(-float(log_p[pos - c - 1, tok]), 0.0)
             arrays.lookup_div = table
-        else:
-            q = self._draft_logits(i, drafter, draft_skip, c)
-            q = q[c:] if drafter == "model" else q  # align: both predict c + 1 …
+        if source is not None:
+            q = self._draft_logits(i, source, draft_skip, c)
+            q = q[c:] if source == "model" else q  # align: both predict c + 1 …
             tokens = q.argmax(-1)
             arrays.div = {kind: divergence(s_logits, q, tokens, kind).cpu().numpy() for kind in KL}
         self._arrays[key] = arrays
@@ -264,12 +266,15 @@ class ReplayCache:
         dev = p.ids.device
         seq = Sequence(torch.tensor(tokens, device=dev), len(tokens) + cfg.gamma + 1)
         target = p.target.at(c)
-        if cfg.drafter == "lookup":
-            drafts, q = torch.tensor(p.lookup(len(tokens), cfg.gamma), device=dev, dtype=torch.long), None
-            if tokens != p.ext[: len(tokens)]:
-                drafts = prompt_lookup(torch.tensor(tokens), cfg.gamma).to(dev)
+        source = model_drafter(cfg.drafter)
+        proposal = prompt_lookup(torch.tensor(tokens), cfg.gamma).to(dev) if source != cfg.drafter else None
+        lookup = source is None or (
+            proposal is not None and proposal.numel() >= min(cfg.lookup_min, cfg.gamma)
+        )
+        if lookup:
+            drafts, q = proposal, None
         else:
-            if cfg.drafter == "self":
+            if source == "self":
                 lm, skip = target, cfg.draft_skip
             else:
                 same = next(
@@ -280,7 +285,7 @@ class ReplayCache:
             drafts, q = drafter.draft(seq, cfg.gamma)
             drafts = drafts.clone()
         k = drafts.numel()
-        out = _RoundData(drafts.tolist(), [], [], k)
+        out = _RoundData(drafts.tolist(), [], [], k, lookup)
         if slim and k:
             s_logits = target.speculate(seq.with_drafts(drafts), cfg.skip, tier="slim", keep=k + 1)
             out.s = s_logits.argmax(-1).tolist()
@@ -312,6 +317,7 @@ class Estimate:
     rollbacks: int = 0
     rolled_back_tokens: int = 0
     drafted: int = 0
+    rounds_lookup: int = 0  # rounds drafted by prompt lookup (drafter lookup, or a hybrid's lookup hits)
     exact: bool = True  # False once a settled token left the reference without recheck (see the module doc)
     outputs: list[list[int]] = field(default_factory=list)  # per prompt: the emitted tokens
     tier_labels: list[list[int]] = field(default_factory=list)  # per prompt: each emitted token's tier
@@ -383,11 +389,14 @@ class _Run:
         """The round from the arrays (the sequence follows the reference), as far as they reach."""
         cfg, L, c = self.cfg, len(self.tokens), self.c
         ext, gamma = self.p.ext, cfg.gamma
-        if cfg.drafter == "lookup":
-            drafts = self.p.lookup(L, gamma)
+        source = model_drafter(cfg.drafter)
+        proposal = self.p.lookup(L, gamma) if source != cfg.drafter else []
+        lookup = source is None or len(proposal) >= min(cfg.lookup_min, gamma)
+        if lookup:
+            drafts = proposal
             k = len(drafts)
         else:
-            arr = self.cache.draft_arrays(self.i, cfg.drafter, cfg.draft_skip, c)
+            arr = self.cache.draft_arrays(self.i, source, cfg.draft_skip, c)
             drafts, k = [], None
             for t in range(gamma):
                 pos = L + t
@@ -404,7 +413,7 @@ class _Run:
                 k = len(drafts) if len(drafts) == gamma else gamma if cfg.draft_confidence <= 0 else None
             if k is None:
                 raise _Missing  # whether drafting went on after the off-reference pick depends on later picks
-        data = _RoundData(drafts, [], [], k)
+        data = _RoundData(drafts, [], [], k, lookup)
         if k and cfg.tau_escalate > 0:
             arr = self.cache.slim_arrays(self.i, cfg.skip, cfg.drafter, cfg.draft_skip, c)
             for t in range(k + 1):  # positions whose prefix is the reference's
@@ -413,7 +422,7 @@ class _Run:
                     break
                 data.s.append(int(arr.pick[pos - arr.start]))
                 if t < k:
-                    if cfg.drafter == "lookup":
+                    if lookup:
                         data.d.append(arr.lookup_div.get((pos, drafts[t]), float("inf")))
                     else:
                         data.d.append(float(arr.div[cfg.kl][pos - arr.start]))
@@ -470,19 +479,20 @@ class _Run:
             data = self.cache.real_round(self.i, self.tokens, self.c, cfg, slim_tier)
             head, labels, escalate, last = self.decide(data) if cfg.mode == "viasd" else ([], [], True, None)
         k = data.k
-        self.count_drafting(L, k)
+        self.count_drafting(L, k, data.lookup)
         if slim_tier and k:
             self.speculate(L + k, cfg.skip, "slim")
         if not escalate:
             return L, head + [last], labels + [SLIM]
         return self.full_verify(data, head, labels)
 
-    def count_drafting(self, L: int, k: int) -> None:
+    def count_drafting(self, L: int, k: int, lookup: bool) -> None:
         cfg = self.cfg
         self.est.drafted += k
-        if cfg.drafter == "lookup":
+        if lookup:
+            self.est.rounds_lookup += 1
             return
-        if cfg.drafter == "self":
+        if model_drafter(cfg.drafter) == "self":
             self.discard(cfg.draft_skip)
             for t in range(k):
                 self.speculate(L + t, cfg.draft_skip, "draft")
@@ -556,7 +566,7 @@ class _Run:
 
     def run(self) -> None:
         cfg, P = self.cfg, self.p.P
-        if (cfg.mode == "viasd" or cfg.drafter == "self") and P > 1:
+        if (cfg.mode == "viasd" or model_drafter(cfg.drafter) == "self") and P > 1:
             self.full_forward(P - 1, tier="prefill")
         while True:
             while not self.done():

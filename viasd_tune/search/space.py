@@ -20,7 +20,7 @@ import jsonschema
 import optuna
 import yaml
 
-from ..config import DRAFTERS, GAMMA_MAX, KL_KINDS, DecodeConfig
+from ..config import DRAFTERS, GAMMA_MAX, HYBRIDS, KL_KINDS, DecodeConfig, model_drafter
 from ..errors import UserError
 from ..routing import SkipSet
 
@@ -49,6 +49,7 @@ def _names_schema(choices: tuple[str, ...]) -> dict[str, Any]:
 
 _FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
 _CONFIDENCE = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}  # DecodeConfig.draft_confidence's range
+_LOOKUP_MIN = {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX}
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -111,17 +112,23 @@ SCHEMA: dict[str, Any] = {
                 _CONFIDENCE,
             ]
         },
+        "lookup_min": {
+            "type": "object",
+            "required": ["low", "high"],
+            "additionalProperties": False,
+            "properties": {"low": _LOOKUP_MIN, "high": _LOOKUP_MIN},
+        },
     },
     "if": {
         "required": ["drafter"],
-        "properties": {"drafter": {"type": "array", "contains": {"const": "self"}}},
+        "properties": {"drafter": {"type": "array", "contains": {"enum": ["self", "lookup+self"]}}},
     },
     "then": {"required": ["self_draft"]},
 }
 
 _WHY_REQUIRED = {
     "budget": " (needed by skip.encoding: budget)",
-    "self_draft": " (needed because drafter lists 'self')",
+    "self_draft": " (needed because drafter lists 'self' or 'lookup+self')",
 }
 
 
@@ -169,6 +176,8 @@ class SearchSpace:
     recheck: tuple[bool, ...] = (False,)
     draft_confidence: FloatRange | tuple[float, ...] = (0.0,)  # a range, or choices (0: off)
     draft_model_skip_fraction: FloatRange | None = None  # a skip set for the separate draft model
+    # The hybrid drafters' lookup_min as an integer range (low, high); None: 1, not searched.
+    lookup_min: tuple[int, int] | None = None
 
 
 # ---------------------------------------------------------------- loading
@@ -304,6 +313,13 @@ def _parse(text: str, source: str) -> SearchSpace:
                 f"search space {source}: $.draft_confidence: every value must be a finite number in [0, 1); "
                 "write e.g. [0.0, 0.4] or {low: 0.0, high: 0.6}"
             )
+    lookup_min = None
+    if "lookup_min" in data:
+        lookup_min = (int(data["lookup_min"]["low"]), int(data["lookup_min"]["high"]))
+        if lookup_min[0] > lookup_min[1]:
+            raise UserError(
+                f"search space {source}: $.lookup_min: low {lookup_min[0]} > high {lookup_min[1]}; swap or fix them"
+            )
     return SearchSpace(
         version=data["version"],
         skip=SkipSpec(
@@ -327,6 +343,7 @@ def _parse(text: str, source: str) -> SearchSpace:
         draft_model_skip_fraction=(
             frange(draft_model["skip_fraction"], "$.draft_model.skip_fraction") if draft_model else None
         ),
+        lookup_min=lookup_min,
     )
 
 
@@ -432,14 +449,21 @@ def suggest(
     drafter = trial.suggest_categorical("drafter", choices)
     gamma = trial.suggest_categorical("gamma", list(space.gamma))
     draft_skip = SkipSet()
-    if drafter == "self":
+    lookup_min = 1
+    if drafter in HYBRIDS and space.lookup_min is not None:
+        lookup_min = trial.suggest_int("lookup_min", *space.lookup_min)
+    if model_drafter(drafter) == "self":
         assert space.self_draft_skip_fraction is not None  # the schema requires it when drafter lists self
         frac = space.self_draft_skip_fraction.suggest(trial, "self_skip_frac")
         skipped_layers = evenly_spaced_skip(
             num_layers, round(frac * len(layers)), space.skip.protect_first, space.skip.protect_last
         )
         draft_skip = SkipSet.of(skipped_layers, skipped_layers)
-    if drafter == "model" and space.draft_model_skip_fraction is not None and draft_layers is not None:
+    if (
+        model_drafter(drafter) == "model"
+        and space.draft_model_skip_fraction is not None
+        and draft_layers is not None
+    ):
         frac = space.draft_model_skip_fraction.suggest(trial, "draft_model_skip_frac")
         draft_skip = _draft_model_skip(space, frac, draft_layers)
     confidence = 0.0 if drafter == "lookup" else _suggest_confidence(trial, space)
@@ -452,6 +476,7 @@ def suggest(
             draft_skip=draft_skip,
             kl=space.kl[0],
             draft_confidence=confidence,
+            lookup_min=lookup_min,
         )
     else:
         kl = trial.suggest_categorical("kl", list(space.kl))
@@ -474,6 +499,7 @@ def suggest(
             kl=kl,
             recheck=recheck,
             draft_confidence=confidence,
+            lookup_min=lookup_min,
         )
     trial.set_user_attr("config", cfg.to_dict())
     return cfg
@@ -501,10 +527,12 @@ def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> li
 
     def draft(drafter: str) -> dict[str, Any]:
         params: dict[str, Any] = {"drafter": drafter, "gamma": gamma}
-        if drafter == "self":
+        if drafter in HYBRIDS and space.lookup_min is not None:
+            params["lookup_min"] = space.lookup_min[0]
+        if model_drafter(drafter) == "self":
             assert space.self_draft_skip_fraction is not None
             params["self_skip_frac"] = space.self_draft_skip_fraction.mid()
-        if drafter == "model" and space.draft_model_skip_fraction is not None:
+        if model_drafter(drafter) == "model" and space.draft_model_skip_fraction is not None:
             params["draft_model_skip_frac"] = space.draft_model_skip_fraction.low  # the draft model as it is
         if drafter != "lookup":
             if isinstance(space.draft_confidence, FloatRange):
