@@ -189,3 +189,48 @@ def test_replay_matches_decoding_with_sliding_window_layers(one_thread) -> None:
         results = decode(target, draft, cfg, ps)
         if recheck or all(r.token_ids == ref.output for r, ref in zip(results, cache.refs, strict=True)):
             check(cache, cfg, results)
+
+
+def test_lossy_escalation_after_a_wrong_head_is_verified_like_a_cache_free_target(models) -> None:
+    """Without recheck, the slim tier may settle a wrong token and a later draft of the same round escalate: the
+    full target then verifies over that off-reference head. The replay computes that verdict over the cache it
+    had before the verifying forward (it once used the cache after it: "nothing new to feed" on every lossy trial
+    of the README's search); each verdict must equal a cache-free forward of the target."""
+    target, draft = models
+    ps = prompts(6, seed=11)
+    cache = replay.ReplayCache(target, references(target, ps), draft, max_new_tokens=MAX_NEW, eos=EOS)
+    verdicts = []
+    original = replay._Run.verified
+
+    def spy(self, tokens, start, c):
+        m, last = original(self, tokens, start, c)
+        if not self.on_reference(tokens[:start]):
+            verdicts.append((list(tokens), start, m, last))
+        return m, last
+
+    replay._Run.verified = spy
+    try:
+        # tau_accept == tau_escalate: a draft is accepted directly or escalates (the tiny models' divergences are
+        # small, hence the small thresholds); a heavily skipped self-draft is often wrong.
+        for drafter, skip, tau, gamma in itertools.product(
+            ["self", "model"], [SkipSet(), SkipSet.of([2], [])], [0.02, 0.05], [3, 5]
+        ):
+            cfg = DecodeConfig(
+                gamma=gamma,
+                drafter=drafter,
+                skip=skip,
+                draft_skip=SkipSet.of([1, 2], [1, 2]) if drafter == "self" else SkipSet(),
+                tau_accept=tau,
+                tau_escalate=tau,
+            )
+            replay.simulate(cache, cfg)
+    finally:
+        replay._Run.verified = original
+    assert verdicts, "no round escalated after a wrongly settled head: the grid no longer covers the path"
+    for tokens, start, m, last in verdicts:
+        with torch.inference_mode():
+            choice = target(torch.tensor([tokens])).logits[0].argmax(-1).tolist()  # predicts position j + 1
+        expect = 0
+        while start + expect < len(tokens) and tokens[start + expect] == choice[start + expect - 1]:
+            expect += 1
+        assert (m, last) == (expect, choice[start + expect - 1]), (tokens, start)

@@ -448,11 +448,12 @@ class _Run:
             labels.append(DIRECT if tier == DIRECT else SLIM)
         return head, labels, False, data.slim(data.k)[0]
 
-    def verified(self, tokens: list[int], start: int) -> tuple[int, int]:
-        """How many of ``tokens[start:]`` the full target accepts over ``tokens[:start]``, and its next token."""
+    def verified(self, tokens: list[int], start: int, c: int) -> tuple[int, int]:
+        """How many of ``tokens[start:]`` the full target accepts over ``tokens[:start]``, and its next token;
+        ``c``: the target's committed length before the verifying forward (whose cache that forward extended)."""
         ext, m = self.p.ext, 0
         if not self.on_reference(tokens[:start]):  # only without recheck: a settled head left the reference
-            choice = self.cache.target_choices(self.i, tokens, self.c)[start - self.c - 1 :]
+            choice = self.cache.target_choices(self.i, tokens, c)[start - c - 1 :]
             while start + m < len(tokens) and tokens[start + m] == choice[m]:
                 m += 1
             return m, choice[m]
@@ -510,11 +511,11 @@ class _Run:
         ext_tokens = self.tokens + known  # drafts past the first rejected one are never read
         if not cfg.recheck or cfg.mode == "sd":
             self.full_forward(L + k)
-            m, last = self.verified(ext_tokens, L + n)
+            m, last = self.verified(ext_tokens, L + n, c)
             return L, head + known[n : n + m] + [last], labels + [FULL] * (m + 1)
         self.full_forward(L + k)
         lag = L - 1 - c
-        m, last = self.verified(ext_tokens, c + 1)
+        m, last = self.verified(ext_tokens, c + 1, c)
         self.est.rechecked += lag + n
         if m < lag + n:
             self.est.rollbacks += 1
@@ -530,7 +531,7 @@ class _Run:
             return None
         self.full_forward(L)
         lag = L - 1 - c
-        m, last = self.verified(self.tokens, c + 1)
+        m, last = self.verified(self.tokens, c + 1, c)
         self.est.rechecked += lag
         if m == lag:
             return None
