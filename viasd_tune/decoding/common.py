@@ -59,6 +59,7 @@ class Stats:
     full_time_s: float = 0.0
     prefill_time_s: float = 0.0
     wall_time_s: float = 0.0
+    routed_to: str | None = None  # routed profile: the name of the configuration its rule picked
 
     @property
     def mean_accepted_length(self) -> float:
