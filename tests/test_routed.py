@@ -297,3 +297,105 @@ def test_generate_cli_routes_by_category(tiny, tmp_path, capsys, monkeypatch) ->
         assert main([*argv, "--category", cat, "--device", "cpu"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["stats"]["routed_to"] == name and out["config"]["mode"] == mode
+
+
+# ---------------------------------------------------------------------------------------------- search export
+
+
+def _study(per_prompt: dict[str, list[float]], features: list[dict]):
+    """An in-memory study with one feasible measured trial per drafter kind and the given per-prompt times
+    (seconds per token; key ``ar`` is the baseline measured beside each trial)."""
+    import optuna
+
+    from viasd_tune.profile import calibration_fingerprint
+
+    p = make_profile()
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    ids = [f"p{i}" for i in range(len(features))]
+    attrs = {
+        "target": "t",
+        "target_fingerprint": p["target"]["fingerprint"],
+        "draft": "d",
+        "draft_fingerprint": p["draft"]["fingerprint"],
+        "dtype": "float32",
+        "device": "cpu",
+        "min_fidelity": 0.9,
+        "storage": "",
+        "calibration": {
+            "source": "builtin",
+            "prompt_ids": ids,
+            "fingerprint": calibration_fingerprint([(i, i) for i in ids]),
+            "features": features,
+        },
+    }
+    for k, v in attrs.items():
+        study.set_user_attr(k, v)
+    configs = {
+        "lookup": DecodeConfig(mode="sd", drafter="lookup", gamma=4),
+        "model": DecodeConfig(mode="sd", drafter="model", gamma=3),
+    }
+    ar = per_prompt["ar"]
+    for kind, cfg in configs.items():
+        times = per_prompt[kind]
+        study.add_trial(
+            optuna.trial.create_trial(
+                values=[sum(ar) / sum(times), 1.5 if kind == "model" else 1.2],
+                user_attrs={
+                    "config": cfg.to_dict(),
+                    "measured": True,
+                    "feasible": True,
+                    "fidelity": 1.0,
+                    "prompt_s_per_token": times,
+                    "ar_prompt_s_per_token": ar,
+                },
+            )
+        )
+    return study
+
+
+def test_routed_export_fits_the_rule_on_measured_times() -> None:
+    from viasd_tune.search.export import routed_profile
+
+    rng = random.Random(0)
+    features = [
+        {"prompt_tokens": rng.randint(5, 300), "copy_share": rng.random(), "category": None}
+        for _ in range(16)
+    ]
+    copies = [f["copy_share"] > 0.5 for f in features]
+    times = {
+        "ar": [1.0] * 16,
+        "lookup": [0.5 if c else 1.2 for c in copies],  # lookup wins where the prompt repeats itself
+        "model": [0.8 if c else 0.6 for c in copies],
+    }
+    profile = validate_profile(routed_profile(_study(times, features)))
+    routes = profile["routes"]
+    assert [c["name"] for c in routes["configurations"]] == ["trial-0", "trial-1"]  # AR never wins: dropped
+    assert routes["fit"]["served_per_prompt"] == routes["fit"]["best_per_prompt"]
+    assert routes["rule"]["nodes"][0]["feature"] == "copy_share"
+    for f, c in zip(features, copies, strict=True):
+        assert routes["configurations"][apply_rule(routes["rule"], f)]["drafter"] == (
+            "lookup" if c else "model"
+        )
+    assert profile["metrics"]["speedup_measured"] > profile["metrics"]["speedup_best_single"] > 1
+    assert profile["draft"]["fingerprint"] is not None  # a configuration drafts with the model
+
+
+def test_routed_export_keeps_one_leaf_when_the_tree_does_not_help() -> None:
+    from viasd_tune.search.export import routed_profile
+
+    features = [{"prompt_tokens": 10 + i, "copy_share": 0.0, "category": None} for i in range(8)]
+    times = {"ar": [1.0] * 8, "lookup": [1.1] * 8, "model": [0.7, 0.71] * 4}
+    profile = validate_profile(routed_profile(_study(times, features)))
+    assert profile["routes"]["rule"] == one_leaf(0)
+    assert [c["drafter"] for c in profile["routes"]["configurations"]] == ["model"]
+    assert profile["drafter"] == "model" and profile["mode"] == "sd"  # the top level is the one configuration
+
+
+def test_routed_export_without_per_prompt_times_is_refused() -> None:
+    from viasd_tune.search.export import routed_profile
+
+    study = _study({"ar": [1.0], "lookup": [0.5], "model": [0.6]}, [{"prompt_tokens": 3, "copy_share": 0.0}])
+    study.set_user_attr("calibration", {**study.user_attrs["calibration"], "features": None})
+    with pytest.raises(UserError) as e:
+        routed_profile(study)
+    assert "per-prompt timings" in assert_one_line(e)
