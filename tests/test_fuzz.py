@@ -125,7 +125,7 @@ def _command(required: list[str], optional: list[st.SearchStrategy[list[str]]]) 
 def _generate_args(target: str, draft: str) -> st.SearchStrategy[list[str]]:
     optional = [
         _flag("--mode", st.sampled_from(["ar", "sd", "viasd", "bogus"])),
-        _flag("--drafter", st.sampled_from(["model", "self", "lookup", "nope"])),
+        _flag("--drafter", st.sampled_from(["model", "self", "lookup", "lookup+model", "lookup+self", "nope"])),
         _flag("--gamma", NUMBERS),
         _flag("--skip-attn", INDICES),
         _flag("--skip-mlp", INDICES),
@@ -136,6 +136,7 @@ def _generate_args(target: str, draft: str) -> st.SearchStrategy[list[str]]:
         _flag("--kl", st.sampled_from(["forward", "reverse", "js", "kl"])),
         st.just(["--recheck"]),
         _flag("--draft-confidence", NUMBERS),
+        _flag("--lookup-min", NUMBERS),
         _flag("--max-new-tokens", st.sampled_from(["1", "4", "0", "-3", "600", "1e3", "x", "100000000000"])),
         _flag("--temperature", NUMBERS),
         _flag("--top-p", NUMBERS),
@@ -316,6 +317,8 @@ SPACE_TEXTS = st.sampled_from(
 @st.composite
 def mutated_spaces(draw):
     space = copy.deepcopy(SMOKE)
+    if draw(st.booleans()):  # the hybrid drafters and their searchable lookup_min
+        space.update(drafter=["lookup+model", "lookup"], lookup_min={"low": 1, "high": 3})
     for _ in range(draw(st.integers(1, 3))):
         paths = [q for q in _paths(space) if q]
         path = draw(st.sampled_from(paths))
@@ -326,7 +329,8 @@ def mutated_spaces(draw):
             del parent[path[-1]]
         else:
             parent[path[-1]] = draw(
-                JSON_VALUES | st.sampled_from([float("nan"), float("inf"), 0, 10**6, ["self"], ["model"]])
+                JSON_VALUES
+                | st.sampled_from([float("nan"), float("inf"), 0, 10**6, ["self"], ["model"], ["lookup+self"]])
             )
     return yaml.safe_dump(space)
 
@@ -351,10 +355,11 @@ def test_fuzz_search_space(stubbed, text):
     try:  # a space that loads also suggests configurations on the 4-layer tiny model, or refuses in one line
         space = spaces.load_space(str(path))
         study = optuna.create_study(directions=["maximize", "maximize"])
-        spaces.enqueue_known_points(study, space, 4, ["self", "lookup", "model"])
+        drafters = ["self", "lookup", "model", "lookup+model", "lookup+self"]
+        spaces.enqueue_known_points(study, space, 4, drafters)
         for _ in range(3):
             trial = study.ask()
-            spaces.suggest(trial, space, 4, ["self", "lookup", "model"])
+            spaces.suggest(trial, space, 4, drafters)
     except UserError as e:
         assert "\n" not in str(e)
 

@@ -24,6 +24,10 @@ SELF = {
     "name": "self",
     **DecodeConfig(mode="sd", drafter="self", gamma=3, draft_skip=SkipSet.of([1], [2])).to_profile(),
 }
+HYBRID = {
+    "name": "hybrid",
+    **DecodeConfig(mode="sd", drafter="lookup+model", gamma=3, lookup_min=2).to_profile(),
+}
 BY_LENGTH = {
     "nodes": [
         {"feature": "prompt_tokens", "threshold": 20, "left": 1, "right": 2},
@@ -43,7 +47,7 @@ def routed(configurations: list[dict], rule: dict, base: dict | None = None) -> 
 
 
 def test_routed_profile_round_trips(tmp_path) -> None:
-    p = routed([AR, LOOKUP, MODEL, SELF], BY_LENGTH)
+    p = routed([AR, LOOKUP, MODEL, SELF, HYBRID], BY_LENGTH)
     write_profile(tmp_path / "r.json", p)
     assert load_profile(tmp_path / "r.json") == p
     single = make_profile()
@@ -226,27 +230,25 @@ def test_rule_applied_per_request_and_lossless(tiny, one_thread) -> None:
 
 
 def test_configurations_share_the_models_losslessly(tiny, one_thread) -> None:
-    """Four configurations (AR, lookup, draft model, self-draft with a skip set) on one target: each stays
+    """Five configurations (AR, lookup, draft model, self-draft with a skip set, lookup+model) on one target: each stays
     token-identical to greedy AR in fp32 on many random prompts, whichever served the one before."""
     target, draft, base = tiny
-    by_category = {
-        "nodes": [
-            {"feature": "category", "in": ["a", "b"], "left": 1, "right": 4},
-            {"feature": "category", "in": ["c"], "left": 2, "right": 3},
-            {"config": 0},
-            {"config": 1},
-            {"feature": "category", "in": ["b"], "left": 5, "right": 6},
-            {"config": 2},
-            {"config": 3},
+    nodes = []
+    for i, cat in enumerate("cabd"):  # category c -> configuration 1, a -> 2, b -> 3, d -> 4, none -> 0
+        nodes += [
+            {"feature": "category", "in": [cat], "left": 2 * i + 2, "right": 2 * i + 1},
+            {"config": i + 1},
         ]
-    }
-    dec = runtime.load(routed([AR, LOOKUP, MODEL, SELF], by_category, base), model=target, draft=draft)
+    by_category = {"nodes": [*nodes, {"config": 0}]}
+    dec = runtime.load(
+        routed([AR, LOOKUP, MODEL, SELF, HYBRID], by_category, base), model=target, draft=draft
+    )
     assert dec.decoders[2].draft is draft.model and all(d.target is target.model for d in dec.decoders)
     ar = Decoder(target.model, target.tokenizer, DecodeConfig(mode="ar"))
-    want = {None: "plain", "c": "lookup", "a": "draft", "b": "self"}
+    want = {None: "plain", "c": "lookup", "a": "draft", "b": "self", "d": "hybrid"}
     rng = random.Random(3)
-    for prompt in _prompts(24, seed=5):
-        cat = rng.choice([None, "a", "b", "c"])
+    for prompt in _prompts(30, seed=5):
+        cat = rng.choice([None, "a", "b", "c", "d"])
         out = dec.generate(prompt, max_new_tokens=10, category=cat)
         assert out.stats.routed_to == want[cat]
         assert out.token_ids == ar.generate(prompt, max_new_tokens=10).token_ids

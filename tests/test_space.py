@@ -132,7 +132,7 @@ def test_path_loads_same_content_as_name(tmp_path: Path) -> None:
         (edited(version=2), "$.version: 1 was expected"),
         (edited(extra=1), "$: unknown key 'extra'; remove or rename it"),
         (edited(kl=None), "$: missing key 'kl'; add it"),
-        (edited(self_draft=None), "$: missing key 'self_draft' (needed because drafter lists 'self')"),
+        (edited(self_draft=None), "$: missing key 'self_draft' (needed because drafter lists 'self' or 'lookup+self')"),
         (edited(tau_escalate={"low": 5.0, "high": 1.0}), "$.tau_escalate: low 5.0 > high 1.0"),
         (edited(tau_escalate={"low": 0.0, "high": 1.0, "log": True}), "$.tau_escalate.low: must be > 0"),
         (edited(tau_escalate={"low": -1, "high": 1}), "$.tau_escalate.low: -1 is less than the minimum of 0"),

@@ -93,6 +93,14 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
         metavar="FLOAT",
         help="stop drafting once the drafter's top-1 probability is below this, in [0, 1) (default 0: off)",
     )
+    p.add_argument(
+        "--lookup-min",
+        type=int,
+        default=None,
+        metavar="N",
+        help="drafters lookup+model/lookup+self: use a prompt-lookup proposal of at least N tokens (or of γ), "
+        "else the model drafts the round; 1..64 (default 1)",
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,6 +158,7 @@ ROUTING_FLAGS = {
     "kl": "--kl",
     "recheck": "--recheck",
     "draft_confidence": "--draft-confidence",
+    "lookup_min": "--lookup-min",
 }
 
 
@@ -176,6 +185,7 @@ def _decode_config(args) -> DecodeConfig:
         kl=given("kl", "forward"),
         recheck=given("recheck", False),
         draft_confidence=given("draft_confidence", 0.0),
+        lookup_min=given("lookup_min", 1),
     )
 
 
@@ -208,7 +218,7 @@ def cmd_generate(args) -> int:
         config = _decode_config(args)
         target = models.load(args.model or DEFAULT_MODEL, args.dtype, args.device, args.trust_remote_code)
         draft = None
-        if args.draft and config.drafter == "model" and config.mode != "ar":
+        if args.draft and config.model_drafter == "model" and config.mode != "ar":
             draft = models.load(args.draft, args.dtype, args.device, args.trust_remote_code)
             models.check_same_tokenizer(target, draft)
         decoder = Decoder(target.model, target.tokenizer, config, draft=draft.model if draft else None)

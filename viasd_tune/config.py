@@ -3,7 +3,7 @@
 :class:`DecodeConfig` is built in one place per source and validated where it is built:
 
 - from flags or Python: ``DecodeConfig(mode=, gamma=, drafter=, skip=, draft_skip=, tau_accept=, tau_escalate=,
-  kl=, recheck=, draft_confidence=)``;
+  kl=, recheck=, draft_confidence=, lookup_min=)``;
 - from a profile: :meth:`DecodeConfig.from_profile` (and back with :meth:`DecodeConfig.to_profile`);
 - from an Optuna trial's params: ``search.space.suggest`` (it needs the search space);
 - from the flat JSON record a trial keeps in its user attr ``config`` (and ``generate --json`` prints):
@@ -24,9 +24,17 @@ from .errors import UserError
 from .routing import SkipSet
 
 MODES = ("ar", "sd", "viasd")
-DRAFTERS = ("model", "self", "lookup")
+DRAFTERS = ("model", "self", "lookup", "lookup+model", "lookup+self")
+# The hybrids: prompt lookup first each round, the model drafter (a separate model or the self-draft) when it misses.
+HYBRIDS = {"lookup+model": "model", "lookup+self": "self"}
 KL_KINDS = ("forward", "reverse", "js")
 GAMMA_MAX = 64  # drafted tokens per round; more only costs memory and time (a verify block is γ + 1 tokens)
+
+
+def model_drafter(drafter: str) -> str | None:
+    """The model-based drafter a drafter kind runs: ``model`` (a separate draft model) or ``self`` (the target under
+    ``draft_skip``), for the hybrids too; ``None`` for plain prompt lookup."""
+    return HYBRIDS.get(drafter, drafter) if drafter != "lookup" else None
 
 
 def _names(choices: tuple[str, ...]) -> str:
@@ -39,8 +47,10 @@ class DecodeConfig:
 
     - ``mode``: ``ar`` (the target alone), ``sd`` (draft + full target, lossless) or ``viasd`` (three tiers);
     - ``gamma``: drafted tokens per round, 1..64 (the cap when ``draft_confidence`` stops drafting early);
-    - ``drafter``: ``model`` (a separate draft model), ``self`` (the target with ``draft_skip`` skipped) or
-      ``lookup`` (prompt lookup, no model);
+    - ``drafter``: ``model`` (a separate draft model), ``self`` (the target with ``draft_skip`` skipped),
+      ``lookup`` (prompt lookup, no model), or the hybrids ``lookup+model`` / ``lookup+self``: prompt lookup
+      proposes first each round (it costs no forward) and the model drafter drafts when lookup finds fewer than
+      ``lookup_min`` tokens;
     - ``skip``: the slim verifier's skip set (VIA-SD);
     - ``draft_skip``: the self-draft's skip set (``drafter == "self"``, layers of the target), or a skip set
       applied to the separate draft model (``drafter == "model"``, layers of the draft model); unused by lookup;
@@ -50,7 +60,9 @@ class DecodeConfig:
     - ``recheck``: VIA-SD only; the full target's next batched forward re-checks the tokens the slim tier
       settled and replaces any it disagrees with, which makes VIA-SD lossless;
     - ``draft_confidence``: in [0, 1); stop drafting once the drafter's top-1 probability falls below it
-      (0: off, always draft ``gamma`` tokens).
+      (0: off, always draft ``gamma`` tokens);
+    - ``lookup_min``: the hybrids only, 1..64; the shortest lookup proposal used as the round's drafts (capped
+      at ``gamma``: a lookup of γ tokens is always used), shorter ones let the model drafter draft instead.
     """
 
     mode: str = "viasd"
@@ -63,6 +75,7 @@ class DecodeConfig:
     kl: str = "forward"
     recheck: bool = False
     draft_confidence: float = 0.0
+    lookup_min: int = 1
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES, "--mode")
@@ -111,6 +124,22 @@ class DecodeConfig:
                 "e.g. 0.4 stops drafting once the drafter's top-1 probability is below 0.4"
             )
         object.__setattr__(self, "draft_confidence", confidence)
+        if isinstance(self.lookup_min, bool) or not isinstance(self.lookup_min, numbers.Integral):
+            raise UserError(
+                f"lookup_min (--lookup-min) must be a whole number from 1 to {GAMMA_MAX} (got {self.lookup_min!r}); "
+                "it is the shortest prompt-lookup proposal a hybrid drafter uses"
+            )
+        if not 1 <= self.lookup_min <= GAMMA_MAX:
+            raise UserError(
+                f"lookup_min (--lookup-min) must be from 1 to {GAMMA_MAX} (got {self.lookup_min}); shorter "
+                "prompt-lookup proposals let the model drafter draft instead, e.g. 2"
+            )
+        object.__setattr__(self, "lookup_min", int(self.lookup_min))
+
+    @property
+    def model_drafter(self) -> str | None:
+        """``model``/``self``: the model-based drafter this configuration runs (alone or behind lookup)."""
+        return model_drafter(self.drafter)
 
     # ------------------------------------------------------------------------------------------- models
 
@@ -124,16 +153,19 @@ class DecodeConfig:
             )
         if self.mode == "ar":
             return self
-        if self.drafter == "model":
+        if self.model_drafter == "model":
             if draft_layers is None:
                 raise UserError(
-                    "drafter 'model' needs a draft model; pass --draft, or use --draft-skip (self) or lookup"
+                    f"drafter '{self.drafter}' needs a draft model; pass --draft, or use --draft-skip (self) or lookup"
                 )
             if not self.draft_skip.is_empty:
                 self.draft_skip.validate(draft_layers)
-        if self.drafter == "self":
+        if self.model_drafter == "self":
             if self.draft_skip.is_empty:
-                raise UserError("the self-draft needs a skip set; pass --draft-skip-attn/--draft-skip-mlp")
+                raise UserError(
+                    f"the self-draft needs a skip set (drafter '{self.drafter}'); "
+                    "pass --draft-skip-attn/--draft-skip-mlp"
+                )
             self.draft_skip.validate(n_layers)
         if self.mode == "viasd":
             self.skip.validate(n_layers)
@@ -143,10 +175,11 @@ class DecodeConfig:
 
     def to_profile(self) -> dict[str, Any]:
         """The decoding fields of a profile (``mode``, ``gamma``, ``drafter``, ``routing``, ``thresholds``,
-        ``recheck``, ``draft_confidence`` and ``draft.kind``/skip set); the exporter adds models and metrics.
+        ``recheck``, ``draft_confidence``, ``lookup_min`` and ``draft.kind``/skip set); the exporter adds models and
+        metrics.
         ``draft.name``/``fingerprint`` are the draft model's and are not part of the configuration."""
         draft: dict[str, Any] = {"kind": self.drafter}
-        if self.drafter == "self" or (self.drafter == "model" and not self.draft_skip.is_empty):
+        if self.model_drafter == "self" or (self.model_drafter == "model" and not self.draft_skip.is_empty):
             draft.update(self.draft_skip.to_dict())
         return {
             "mode": self.mode,
@@ -157,12 +190,13 @@ class DecodeConfig:
             "drafter": self.drafter,
             "recheck": self.recheck,
             "draft_confidence": self.draft_confidence,
+            "lookup_min": self.lookup_min,
         }
 
     @classmethod
     def from_profile(cls, profile: dict[str, Any]) -> DecodeConfig:
         """The configuration a (schema-valid) profile pins. A profile without ``mode`` (written before it
-        existed) is VIA-SD; without ``recheck``/``draft_confidence``, they are off."""
+        existed) is VIA-SD; without ``recheck``/``draft_confidence``, they are off; without ``lookup_min``, 1."""
         draft, thresholds, routing = profile["draft"], profile["thresholds"], profile["routing"]
         return cls(
             mode=profile.get("mode", "viasd"),
@@ -175,6 +209,7 @@ class DecodeConfig:
             kl=thresholds["kl"],
             recheck=profile.get("recheck", False),
             draft_confidence=profile.get("draft_confidence", 0.0),
+            lookup_min=profile.get("lookup_min", 1),
         )
 
     # ------------------------------------------------------------------------------------------- record

@@ -165,7 +165,9 @@ def _hover(p: _Point, min_fidelity: float | None) -> str:
             f" · kl {_esc(c.get('kl', '-'))}",
             f"γ {_esc(c.get('gamma', '-'))} · drafter {_esc(c.get('drafter', '-'))}",
         ]
-        if c.get("drafter") == "self":
+        if str(c.get("drafter", "")).startswith("lookup+"):
+            lines.append(f"lookup_min {_esc(c.get('lookup_min', 1))}")
+        if c.get("drafter") in ("self", "lookup+self"):
             lines.append(
                 f"draft skip attn {_layers(c.get('draft_skip_attn'))} mlp {_layers(c.get('draft_skip_mlp'))}"
             )

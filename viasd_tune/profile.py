@@ -21,6 +21,7 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import best_match
 
+from viasd_tune.config import model_drafter
 from viasd_tune.errors import UserError
 from viasd_tune.fsutil import atomic_write_text, check_output_file
 
@@ -125,7 +126,7 @@ def _check_semantics(profile: dict[str, Any], origin: str) -> None:
             )
 
     # The self-draft skips the target's layers; a skip set on a separate draft model indexes the draft's.
-    draft_model = draft["kind"] == "model"
+    draft_model = model_drafter(draft["kind"]) == "model"
     for section in ("routing", "draft"):
         role = "draft" if section == "draft" and draft_model else "target"
         num_layers = profile[role]["fingerprint"]["num_layers"]

@@ -81,10 +81,10 @@ def load(
     else:
         singles = [prof]
     configs = [DecodeConfig.from_profile(p) for p in singles]
-    uses_draft = any(c.drafter == "model" and c.mode != "ar" for c in configs)
+    uses_draft = any(c.model_drafter == "model" and c.mode != "ar" for c in configs)
     for p, config in zip(singles, configs, strict=True):
         # Checked against the fingerprints' layer counts before any model loads (and by the decoder once they have).
-        draft_layers = p["draft"]["fingerprint"]["num_layers"] if config.drafter == "model" else None
+        draft_layers = p["draft"]["fingerprint"]["num_layers"] if config.model_drafter == "model" else None
         config.validate(p["target"]["fingerprint"]["num_layers"], draft_layers)
     dtype = dtype or prof["dtype"]
     device = device or ("cuda" if prof["device"] == "cuda" and models.torch.cuda.is_available() else "cpu")

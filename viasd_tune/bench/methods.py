@@ -239,6 +239,7 @@ def build_methods(
                     "tau_accept": c.tau_accept,
                     "tau_escalate": c.tau_escalate,
                     "kl": c.kl,
+                    "lookup_min": c.lookup_min,
                     "recheck": c.recheck,
                     "draft_confidence": c.draft_confidence,
                     "profile_dtype": b.data["dtype"],

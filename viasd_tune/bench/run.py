@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import prompts
+from ..config import model_drafter
 from ..errors import UserError
 from . import methods as bm
 from .contention import load_average
@@ -54,7 +55,7 @@ def load_models(
     """Target and draft, loaded once for every method (profiles reuse them)."""
     from .. import models
 
-    needs_draft = [b.name for b in profiles if b.data["drafter"] == "model"]
+    needs_draft = [b.name for b in profiles if model_drafter(b.data["drafter"]) == "model"]
     if needs_draft and not s.draft:
         want = profiles[[b.name for b in profiles].index(needs_draft[0])].data["draft"]["name"]
         raise UserError(

@@ -51,6 +51,8 @@ class Stats:
     prefill_tokens_processed: int = 0
     drafted: int = 0
     rounds: int = 0
+    rounds_lookup: int = 0  # rounds whose drafts came from prompt lookup (drafter lookup or a hybrid)
+    rounds_model: int = 0  # rounds drafted by a model: the draft model or the self-draft
     rechecked: int = 0  # settled tokens a full pass re-checked (recheck on)
     rollbacks: int = 0  # re-checks that found a token the target would not emit
     rolled_back_tokens: int = 0  # emitted tokens those rollbacks removed

@@ -15,7 +15,7 @@ from ..models import context_length
 from ..routing import install_skipping, num_layers
 from . import ar, sd, viasd
 from .common import CachedLM, Result, Sampling, Sequence, Stats
-from .drafters import LookupDrafter, ModelDrafter
+from .drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 
 __all__ = [
     "DRAFTERS",
@@ -29,8 +29,8 @@ __all__ = [
 def _layer_counts(config: DecodeConfig, target: nn.Module, draft: nn.Module | None) -> tuple[int, int | None]:
     """What :meth:`DecodeConfig.validate` checks the skip sets against. A layer count is only read where a skip
     set applies to that model (reading it refuses architectures that cannot skip); 0 elsewhere."""
-    skips_target = config.mode == "viasd" or (config.mode == "sd" and config.drafter == "self")
-    skips_draft = config.mode != "ar" and config.drafter == "model" and not config.draft_skip.is_empty
+    skips_target = config.mode == "viasd" or (config.mode == "sd" and config.model_drafter == "self")
+    skips_draft = config.mode != "ar" and config.model_drafter == "model" and not config.draft_skip.is_empty
     return (
         num_layers(target) if skips_target else 0,
         None if draft is None else num_layers(draft) if skips_draft else 0,
@@ -85,14 +85,20 @@ class Decoder:
             raise UserError("the prompt is empty; give at least one token of text")
         return torch.tensor(ids, dtype=torch.long, device=self.target.device)
 
-    def _drafter(self, full: CachedLM, sampling: Sampling, gen, stats: Stats, sync: bool):
+    def _drafter(self, full: CachedLM, sampling: Sampling, gen, stats: Stats, sync: bool) -> Drafter:
         cfg = self.config
-        if cfg.drafter == "lookup":
+        if cfg.model_drafter is None:
             return LookupDrafter(stats)
-        if cfg.drafter == "self":
-            return ModelDrafter(full, sampling, gen, stats, skip=cfg.draft_skip, confidence=cfg.draft_confidence)
-        lm = CachedLM(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
-        return ModelDrafter(lm, sampling, gen, stats, confidence=cfg.draft_confidence)
+        if cfg.model_drafter == "self":
+            model = ModelDrafter(
+                full, sampling, gen, stats, skip=cfg.draft_skip, confidence=cfg.draft_confidence
+            )
+        else:
+            lm = CachedLM(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
+            model = ModelDrafter(lm, sampling, gen, stats, confidence=cfg.draft_confidence)
+        if cfg.drafter == cfg.model_drafter:
+            return model
+        return HybridDrafter(LookupDrafter(stats), model, cfg.lookup_min)
 
     @torch.inference_mode()
     def generate(
@@ -132,7 +138,7 @@ class Decoder:
             result = ar.generate(full, seq, max_new_tokens, self.eos, sampling, gen)
         else:
             drafter = self._drafter(full, sampling, gen, stats, sync)
-            if (cfg.mode == "viasd" or drafter.kind == "self") and len(ids) > 1:
+            if (cfg.mode == "viasd" or cfg.model_drafter == "self") and len(ids) > 1:
                 # Other passes share the target's cache: the target reads the prompt once, before them.
                 full.forward(seq.ids[:-1], keep=1, tier="prefill")
             if cfg.mode == "sd":

@@ -1,7 +1,7 @@
 """Draft sources: a separate draft model, the target's own self-draft (many sub-layers skipped, over the target's
-KV cache), and prompt lookup. Each proposes up to γ tokens and the logits it drew them from (``None`` for a
-one-hot proposal); with ``confidence`` > 0 a model drafter stops early once its pick is that unlikely, as HF's
-assisted generation does."""
+KV cache), prompt lookup, and the hybrid of lookup and a model drafter. Each proposes up to γ tokens and the
+logits it drew them from (``None`` for a one-hot proposal); with ``confidence`` > 0 a model drafter stops early
+once its pick is that unlikely, as HF's assisted generation does."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class ModelDrafter:
         if self.skip is not None:
             self.lm.discard(self.skip)
         self.stats.drafted += len(logits)
+        self.stats.rounds_model += 1
         return seq.buf[seq.length : end], torch.stack(logits)
 
     def rollback(self, length: int, floor: int) -> None:
@@ -80,13 +81,43 @@ class LookupDrafter:
         self.stats = stats
         self.max_ngram = max_ngram
 
+    def propose(self, seq: Sequence, gamma: int) -> torch.Tensor:
+        """The lookup's proposal (on the CPU, possibly empty), not yet counted as drafted."""
+        return prompt_lookup(torch.tensor(seq.tokens), gamma, self.max_ngram)
+
     def draft(self, seq: Sequence, gamma: int) -> tuple[torch.Tensor, None]:
-        proposal = prompt_lookup(torch.tensor(seq.tokens), gamma, self.max_ngram)
+        return self.take(self.propose(seq, gamma), seq)
+
+    def take(self, proposal: torch.Tensor, seq: Sequence) -> tuple[torch.Tensor, None]:
+        """Use ``proposal`` as the round's drafts: count it and move it to the sequence's device."""
         self.stats.drafted += proposal.numel()
+        self.stats.rounds_lookup += 1
         return proposal.to(seq.buf.device), None
 
     def rollback(self, length: int, floor: int) -> None:
         pass
+
+
+class HybridDrafter:
+    """Prompt lookup first, the model drafter when lookup misses: each round, a lookup proposal of at least
+    ``lookup_min`` tokens (or of γ, when γ is smaller) is the round's drafts (one-hot, no forward); otherwise
+    ``model`` (a separate draft model or the self-draft) drafts. Lookup keeps no state, so a rollback is the model
+    drafter's; a separate draft model that sat out lookup rounds feeds the tokens it has not seen in its next
+    forward (its cache only ever holds a prefix of the sequence)."""
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter, lookup_min: int = 1):
+        self.kind = f"lookup+{model.kind}"
+        self.lookup, self.model = lookup, model
+        self.lookup_min = lookup_min
+
+    def draft(self, seq: Sequence, gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        proposal = self.lookup.propose(seq, gamma)
+        if proposal.numel() >= min(self.lookup_min, gamma):
+            return self.lookup.take(proposal, seq)
+        return self.model.draft(seq, gamma)
+
+    def rollback(self, length: int, floor: int) -> None:
+        self.model.rollback(length, floor)
 
 
 def prompt_lookup(tokens: torch.Tensor, gamma: int, max_ngram: int = 3) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from sklearn.linear_model import LinearRegression
 from torch import nn
 
+from ..config import model_drafter
 from ..decoding.common import CachedLM
 from ..routing import SkipSet, num_layers
 
@@ -65,14 +66,15 @@ class CostModel:
     def price(
         self, calls: list[tuple[str, int]], slim: SkipSet, draft_skip: SkipSet | None, drafter: str
     ) -> float:
-        """Seconds for a list of (tier, tokens processed) forwards."""
+        """Seconds for a list of (tier, tokens processed) forwards. ``draft`` calls are the self-draft's (the target
+        under ``draft_skip``) or the draft model's, as ``drafter`` says; a prompt-lookup round makes none."""
         total = 0.0
         for tier, k in calls:
             if tier == "full":
                 total += self.target_time(k, None)
             elif tier == "slim":
                 total += self.target_time(k, slim)
-            elif drafter == "self":
+            elif model_drafter(drafter) == "self":
                 total += self.target_time(k, draft_skip)
             else:
                 total += self.draft_time(k)

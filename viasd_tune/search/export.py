@@ -10,7 +10,7 @@ from pathlib import Path
 
 import optuna
 
-from ..config import DecodeConfig
+from ..config import DecodeConfig, model_drafter
 from ..errors import UserError
 from ..profile import SCHEMA_VERSION, package_versions, write_profile
 from ..rule import apply_rule, fit_rule, leaves, one_leaf
@@ -80,7 +80,7 @@ def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out
     a = study.user_attrs
     decoding = DecodeConfig.from_dict(trial.user_attrs["config"]).to_profile()
     draft: dict = {"kind": decoding["drafter"], "name": None, "fingerprint": None, **decoding.pop("draft")}
-    if draft["kind"] == "model":
+    if model_drafter(draft["kind"]) == "model":
         draft.update(name=a["draft"], fingerprint=a["draft_fingerprint"])
     shares = trial.user_attrs.get("tier_shares", {"direct": 0.0, "slim": 0.0, "full": 1.0})
     metrics = held_out or {
@@ -188,7 +188,7 @@ def routed_profile(study: optuna.Study) -> dict:
     front = candidates[-1] if fallback == 0 else candidates[fallback - 1]
     profile = build_profile(study, front)
     profile.update({k: v for k, v in configs[fallback].to_profile().items() if k != "draft"})
-    uses_model = any(configs[k].drafter == "model" and configs[k].mode != "ar" for k in used)
+    uses_model = any(configs[k].model_drafter == "model" and configs[k].mode != "ar" for k in used)
     profile["draft"] = {
         **configs[fallback].to_profile()["draft"],
         "name": a["draft"] if uses_model else None,

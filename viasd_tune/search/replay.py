@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import DecodeConfig
+from ..config import GAMMA_MAX, DecodeConfig, model_drafter
 from ..decoding.common import DIRECT, FULL, SLIM, divergence
 from ..decoding.drafters import prompt_lookup
 from ..routing import SkipSet, num_layers, skipping
@@ -58,7 +58,8 @@ class SlimTrace:
     """Per position: the slim verifier's greedy token and D to the drafter for every KL kind."""
 
     tokens: np.ndarray  # [n+1]
-    div: dict[str, np.ndarray]  # kind -> [n] (model drafters) or lookup: position -> token -> D
+    # kind -> [n] (model drafters) and/or "lookup": position -> token -> D (lookup and the hybrids)
+    div: dict[str, np.ndarray]
 
 
 class ReplayCache:
@@ -72,13 +73,14 @@ class ReplayCache:
         self.lookup = [self._lookup_proposals(r) for r in refs]
 
     @staticmethod
-    def _lookup_proposals(ref: Reference, gamma_max: int = 16) -> list[list[int]]:
+    def _lookup_proposals(ref: Reference, gamma_max: int = GAMMA_MAX) -> list[list[int]]:
         """Prompt-lookup proposal at every round start along the reference."""
         full = ref.full.cpu()
         base = ref.prompt_ids.numel()
         return [prompt_lookup(full[: base + j], gamma_max).tolist() for j in range(len(ref.output))]
 
     def draft_logits(self, drafter: str, draft_skip: SkipSet) -> list[torch.Tensor]:
+        """The model drafter's teacher-forced logits; ``drafter``: ``model`` or ``self`` (the hybrids' model part)."""
         key = (drafter, draft_skip)
         if key not in self._draft_logits:
             model, skip = (self.draft, None) if drafter == "model" else (self.target, draft_skip)
@@ -86,14 +88,18 @@ class ReplayCache:
         return self._draft_logits[key]
 
     def slim(self, skip: SkipSet, drafter: str, draft_skip: SkipSet) -> list[SlimTrace]:
-        key = (skip, drafter, draft_skip if drafter == "self" else None)
+        """The slim verifier's traces against ``drafter``'s proposals: a hybrid gets both the lookup table and the
+        model drafter's divergences, since each round drafts from one of them."""
+        source = model_drafter(drafter)
+        key = (skip, drafter, draft_skip if source == "self" else None)
         if key in self._slim:
             return self._slim[key]
         traces = []
-        q_all = None if drafter == "lookup" else self.draft_logits(drafter, draft_skip)
+        q_all = None if source is None else self.draft_logits(source, draft_skip)
         for i, ref in enumerate(self.refs):
             p = _forced_logits(self.target, ref, skip)
-            if q_all is None:
+            div = {}
+            if source != drafter:  # prompt lookup drafts (some) rounds
                 log_p = torch.log_softmax(p, -1)
                 table: dict[int, dict[int, float]] = {}
                 for j, prop in enumerate(self.lookup[i]):
@@ -101,22 +107,22 @@ class ReplayCache:
                         pos = j + k
                         if pos < len(ref.output):
                             table.setdefault(pos, {})[tok] = float(-log_p[pos, tok])
-                div = {"lookup": table}
-            else:
+                div["lookup"] = table
+            if q_all is not None:
                 q = q_all[i][: len(ref.output)]
                 d_tok = q.argmax(-1)
-                div = {
-                    kind: divergence(p[: len(ref.output)], q, d_tok, kind).cpu().numpy()
-                    for kind in ("forward", "reverse", "js")
-                }
+                for kind in ("forward", "reverse", "js"):
+                    div[kind] = divergence(p[: len(ref.output)], q, d_tok, kind).cpu().numpy()
             traces.append(SlimTrace(p.argmax(-1).cpu().numpy(), div))
         self._slim[key] = traces
         return traces
 
     def draft_tokens(self, drafter: str, draft_skip: SkipSet) -> list[np.ndarray] | None:
-        if drafter == "lookup":
+        """The model drafter's greedy proposals (``None`` for plain lookup)."""
+        source = model_drafter(drafter)
+        if source is None:
             return None
-        return [q.argmax(-1).cpu().numpy() for q in self.draft_logits(drafter, draft_skip)]
+        return [q.argmax(-1).cpu().numpy() for q in self.draft_logits(source, draft_skip)]
 
 
 @dataclass
@@ -127,6 +133,7 @@ class Estimate:
     agree: int = 0  # emitted tokens equal to the target's at that position
     tiers: list[int] = field(default_factory=lambda: [0, 0, 0])  # tokens decided directly / by slim / by full
     rounds: int = 0
+    rounds_lookup: int = 0  # rounds drafted by prompt lookup (drafter lookup, or a hybrid's lookup hits)
     # (tier, tokens processed) of every forward, for the cost model
     calls: list[tuple[str, int]] = field(default_factory=list)
     slim_cost: float = 1.0  # a slim forward in full-target forwards: the share of sub-layers it runs
@@ -170,9 +177,12 @@ def _route(prop: list[int], pos0: int, div, tokens: np.ndarray, cfg, lookup: boo
 
 
 def simulate(cache: ReplayCache, cfg: DecodeConfig) -> Estimate:
-    """Replay the VIA-SD round logic (greedy) along each reference for a search trial's configuration."""
+    """Replay the VIA-SD round logic (greedy) along each reference for a search trial's configuration. A hybrid
+    drafter's round drafts by lookup when its proposal has at least min(lookup_min, γ) tokens, as in decoding;
+    a lookup round makes no draft forward, and the next model round feeds the tokens the draft model missed."""
     skip, dskip = cfg.skip, cfg.draft_skip
-    lookup = cfg.drafter == "lookup"
+    source = model_drafter(cfg.drafter)
+    use_lookup = source != cfg.drafter  # plain lookup or a hybrid
     escalate_all = cfg.tau_escalate <= 0
     slim = None if escalate_all else cache.slim(skip, cfg.drafter, dskip)
     drafts = cache.draft_tokens(cfg.drafter, dskip)
@@ -182,9 +192,10 @@ def simulate(cache: ReplayCache, cfg: DecodeConfig) -> Estimate:
         unseen = dict.fromkeys(("draft", "slim", "full"), ref.prompt_ids.numel())  # tokens each tier lags by
         j = 0
         while j < n:
-            prop = (
-                cache.lookup[i][j][: cfg.gamma] if lookup else drafts[i][j : min(j + cfg.gamma, n)].tolist()
-            )
+            prop = cache.lookup[i][j][: cfg.gamma] if use_lookup else []
+            lookup = source is None or len(prop) >= min(cfg.lookup_min, cfg.gamma)
+            # Drafts past the reference's end are cut, as decoding cuts the round's tokens at max_new_tokens.
+            prop = prop[: n - j] if lookup else drafts[i][j : min(j + cfg.gamma, n)].tolist()
             k = len(prop)
             called = set()
             if not lookup:
@@ -211,6 +222,7 @@ def simulate(cache: ReplayCache, cfg: DecodeConfig) -> Estimate:
                 est.tiers[tier] += 1
             est.tokens += len(emitted)
             est.rounds += 1
+            est.rounds_lookup += int(lookup)
             # A lossy token would change what follows; the replay stays on the reference trajectory.
             j += len(emitted)
             for tier in unseen:

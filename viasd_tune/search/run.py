@@ -228,7 +228,7 @@ def run_search(s: SearchSettings) -> dict:
         models.check_same_tokenizer(target, draft)
     n_layers = num_layers(target.model)
     install_skipping(target.model)
-    drafters = ["self", "lookup"] + (["model"] if draft else [])
+    drafters = ["self", "lookup", "lookup+self"] + (["model", "lookup+model"] if draft else [])
 
     dev = target.model.device
     ctx = models.context_length(target.model)
@@ -341,7 +341,9 @@ def run_search(s: SearchSettings) -> dict:
             s.max_new_tokens,
             False,
         )
-        sd_cfg = DecodeConfig(mode="sd", gamma=cfg.gamma, drafter=cfg.drafter, draft_skip=cfg.draft_skip)
+        sd_cfg = DecodeConfig(
+            mode="sd", gamma=cfg.gamma, drafter=cfg.drafter, draft_skip=cfg.draft_skip, lookup_min=cfg.lookup_min
+        )
         vs_sd = measure(
             target.model,
             target.tokenizer,

@@ -20,7 +20,7 @@ import jsonschema
 import optuna
 import yaml
 
-from ..config import DRAFTERS, GAMMA_MAX, KL_KINDS, DecodeConfig
+from ..config import DRAFTERS, GAMMA_MAX, HYBRIDS, KL_KINDS, DecodeConfig, model_drafter
 from ..errors import UserError
 from ..routing import SkipSet
 
@@ -48,6 +48,7 @@ def _names_schema(choices: tuple[str, ...]) -> dict[str, Any]:
 
 
 _FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
+_LOOKUP_MIN = {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX}
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -91,17 +92,23 @@ SCHEMA: dict[str, Any] = {
             "required": ["skip_fraction"],
             "properties": {"skip_fraction": _range_schema(maximum=1)},
         },
+        "lookup_min": {
+            "type": "object",
+            "required": ["low", "high"],
+            "additionalProperties": False,
+            "properties": {"low": _LOOKUP_MIN, "high": _LOOKUP_MIN},
+        },
     },
     "if": {
         "required": ["drafter"],
-        "properties": {"drafter": {"type": "array", "contains": {"const": "self"}}},
+        "properties": {"drafter": {"type": "array", "contains": {"enum": ["self", "lookup+self"]}}},
     },
     "then": {"required": ["self_draft"]},
 }
 
 _WHY_REQUIRED = {
     "budget": " (needed by skip.encoding: budget)",
-    "self_draft": " (needed because drafter lists 'self')",
+    "self_draft": " (needed because drafter lists 'self' or 'lookup+self')",
 }
 
 
@@ -145,6 +152,8 @@ class SearchSpace:
     drafter: tuple[str, ...]
     self_draft_skip_fraction: FloatRange | None
     source: str
+    # The hybrid drafters' lookup_min as an integer range (low, high); None: 1, not searched.
+    lookup_min: tuple[int, int] | None = None
 
 
 # ---------------------------------------------------------------- loading
@@ -269,6 +278,13 @@ def _parse(text: str, source: str) -> SearchSpace:
                 "swap or fix them"
             )
     self_draft = data.get("self_draft")
+    lookup_min = None
+    if "lookup_min" in data:
+        lookup_min = (int(data["lookup_min"]["low"]), int(data["lookup_min"]["high"]))
+        if lookup_min[0] > lookup_min[1]:
+            raise UserError(
+                f"search space {source}: $.lookup_min: low {lookup_min[0]} > high {lookup_min[1]}; swap or fix them"
+            )
     return SearchSpace(
         version=data["version"],
         skip=SkipSpec(
@@ -287,6 +303,7 @@ def _parse(text: str, source: str) -> SearchSpace:
             frange(self_draft["skip_fraction"], "$.self_draft.skip_fraction") if self_draft else None
         ),
         source=source,
+        lookup_min=lookup_min,
     )
 
 
@@ -369,7 +386,10 @@ def suggest(
     drafter = trial.suggest_categorical("drafter", choices)
     gamma = trial.suggest_categorical("gamma", list(space.gamma))
     draft_skip = SkipSet()
-    if drafter == "self":
+    lookup_min = 1
+    if drafter in HYBRIDS and space.lookup_min is not None:
+        lookup_min = trial.suggest_int("lookup_min", *space.lookup_min)
+    if model_drafter(drafter) == "self":
         assert space.self_draft_skip_fraction is not None  # the schema requires it when drafter lists self
         frac = space.self_draft_skip_fraction.suggest(trial, "self_skip_frac")
         skipped_layers = evenly_spaced_skip(
@@ -378,7 +398,9 @@ def suggest(
         draft_skip = SkipSet.of(skipped_layers, skipped_layers)
     if _enqueued_escalate_all(trial):
         # Plain SD: no slim verifier, so kl is unused (kept as the first listed for a well-formed config).
-        cfg = DecodeConfig(mode="viasd", gamma=gamma, drafter=drafter, draft_skip=draft_skip, kl=space.kl[0])
+        cfg = DecodeConfig(
+            mode="viasd", gamma=gamma, drafter=drafter, draft_skip=draft_skip, kl=space.kl[0], lookup_min=lookup_min
+        )
     else:
         kl = trial.suggest_categorical("kl", list(space.kl))
         tau_escalate = space.tau_escalate.suggest(trial, "tau_escalate")
@@ -393,6 +415,7 @@ def suggest(
             tau_accept=ratio * tau_escalate,
             tau_escalate=tau_escalate,
             kl=kl,
+            lookup_min=lookup_min,
         )
     trial.set_user_attr("config", cfg.to_dict())
     return cfg
@@ -420,7 +443,9 @@ def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> li
 
     def draft(drafter: str) -> dict[str, Any]:
         params: dict[str, Any] = {"drafter": drafter, "gamma": gamma}
-        if drafter == "self":
+        if drafter in HYBRIDS and space.lookup_min is not None:
+            params["lookup_min"] = space.lookup_min[0]
+        if model_drafter(drafter) == "self":
             assert space.self_draft_skip_fraction is not None
             params["self_skip_frac"] = space.self_draft_skip_fraction.mid()
         return params
@@ -462,5 +487,7 @@ def space_signature(space: SearchSpace, num_layers: int) -> str:
     so a study can refuse to continue under a different space."""
     content = asdict(space)
     del content["source"]
+    if content["lookup_min"] is None:  # a space without the key keeps the signature it had before the key existed
+        del content["lookup_min"]
     payload = {"space": content, "num_layers": num_layers, "decoding_version": DECODING_VERSION}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
