@@ -28,6 +28,12 @@ HYBRID = {
     "name": "hybrid",
     **DecodeConfig(mode="sd", drafter="lookup+model", gamma=3, lookup_min=2).to_profile(),
 }
+RECHECK = {
+    "name": "viasd-recheck",
+    **DecodeConfig(
+        mode="viasd", drafter="model", gamma=3, skip=SkipSet.of([2], [1]), tau_escalate=50.0, recheck=True
+    ).to_profile(),
+}
 BY_LENGTH = {
     "nodes": [
         {"feature": "prompt_tokens", "threshold": 20, "left": 1, "right": 2},
@@ -230,28 +236,31 @@ def test_rule_applied_per_request_and_lossless(tiny, one_thread) -> None:
 
 
 def test_configurations_share_the_models_losslessly(tiny, one_thread) -> None:
-    """Five configurations (AR, lookup, draft model, self-draft with a skip set, lookup+model) on one target: each stays
-    token-identical to greedy AR in fp32 on many random prompts, whichever served the one before."""
+    """Six configurations (AR, lookup, draft model, self-draft with a skip set, lookup+model, VIA-SD with recheck
+    and a slim skip set) on one target: each stays token-identical to greedy AR in fp32 on many random prompts,
+    whichever served the one before (the VIA-SD one settles tokens in the slim tier, so its skip set runs)."""
     target, draft, base = tiny
     nodes = []
-    for i, cat in enumerate("cabd"):  # category c -> configuration 1, a -> 2, b -> 3, d -> 4, none -> 0
+    for i, cat in enumerate("cabde"):  # category c -> configuration 1, a -> 2, ..., e -> 5, none -> 0
         nodes += [
             {"feature": "category", "in": [cat], "left": 2 * i + 2, "right": 2 * i + 1},
             {"config": i + 1},
         ]
     by_category = {"nodes": [*nodes, {"config": 0}]}
     dec = runtime.load(
-        routed([AR, LOOKUP, MODEL, SELF, HYBRID], by_category, base), model=target, draft=draft
+        routed([AR, LOOKUP, MODEL, SELF, HYBRID, RECHECK], by_category, base), model=target, draft=draft
     )
     assert dec.decoders[2].draft is draft.model and all(d.target is target.model for d in dec.decoders)
     ar = Decoder(target.model, target.tokenizer, DecodeConfig(mode="ar"))
-    want = {None: "plain", "c": "lookup", "a": "draft", "b": "self", "d": "hybrid"}
-    rng = random.Random(3)
-    for prompt in _prompts(30, seed=5):
-        cat = rng.choice([None, "a", "b", "c", "d"])
+    want = {None: "plain", "c": "lookup", "a": "draft", "b": "self", "d": "hybrid", "e": "viasd-recheck"}
+    rng, slim = random.Random(3), 0
+    for prompt in _prompts(36, seed=5):
+        cat = rng.choice([None, "a", "b", "c", "d", "e"])
         out = dec.generate(prompt, max_new_tokens=10, category=cat)
         assert out.stats.routed_to == want[cat]
         assert out.token_ids == ar.generate(prompt, max_new_tokens=10).token_ids
+        slim += out.stats.slim_calls
+    assert slim > 0
 
 
 _TIMES = {"draft_time_s", "slim_time_s", "full_time_s", "prefill_time_s", "wall_time_s", "routed_to"}

@@ -56,11 +56,11 @@ class RoutedDecoder:
     def generate(self, prompt, *args, category: str | None = None, **kwargs) -> Result:
         """:meth:`Decoder.generate` on the configuration the rule picks; ``category`` (e.g. ``qa``) is the
         caller's task category where it knows one. ``stats.routed_to`` names the configuration."""
-        ids = self.decoders[0].encode(prompt, kwargs.get("chat", "auto"))
-        k = self.route(ids.tolist(), category)
-        result = self.decoders[k].generate(
-            ids, *args, **{key: v for key, v in kwargs.items() if key != "chat"}
-        )
+        ids = self.decoders[0].prompt_ids(
+            prompt, kwargs.pop("chat", "auto")
+        )  # host ids: features need no sync
+        k = self.route(ids, category)
+        result = self.decoders[k].generate(ids, *args, **kwargs)
         result.stats.routed_to = self.names[k]
         return result
 
