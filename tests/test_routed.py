@@ -410,3 +410,15 @@ def test_routed_export_without_per_prompt_times_is_refused() -> None:
     with pytest.raises(UserError) as e:
         routed_profile(study)
     assert "per-prompt timings" in assert_one_line(e)
+
+
+def test_routed_export_falls_back_to_plain_decoding() -> None:
+    from viasd_tune.search.export import routed_profile
+
+    features = [{"prompt_tokens": 10 + i, "copy_share": 0.0, "category": None} for i in range(6)]
+    times = {"ar": [1.0] * 6, "lookup": [1.3] * 6, "model": [1.2] * 6}
+    profile = validate_profile(routed_profile(_study(times, features)))
+    assert profile["routes"]["rule"] == one_leaf(0) and profile["mode"] == "ar"
+    assert profile["routes"]["configurations"][0]["name"] == "ar"
+    assert profile["metrics"]["speedup_measured"] == 1.0 and profile["metrics"]["fidelity"] == 1.0
+    assert profile["draft"] == {"kind": "lookup", "name": None, "fingerprint": None}

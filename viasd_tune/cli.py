@@ -129,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--category", help="the prompt's task category, read by a routed profile's rule (e.g. qa)")
+    g.add_argument(
+        "--category",
+        help="the prompt's task category (e.g. qa), read by a routed profile's rule; unused otherwise",
+    )
     g.add_argument(
         "--json", action="store_true", help="print one JSON object: token_ids, text, stats, config"
     )

@@ -194,8 +194,13 @@ def routed_profile(study: optuna.Study) -> dict:
         "name": a["draft"] if uses_model else None,
         "fingerprint": a["draft_fingerprint"] if uses_model else None,
     }
+    if fallback == 0:  # plain decoding: what it does is known, whatever trial lent the evidence fields
+        shares = {"direct": 0.0, "slim": 0.0, "full": 1.0}
+        profile["metrics"].update(acceptance=1.0, fidelity=1.0, tier_shares=shares, speedup_modelled=None)
     profile["metrics"] = {
         **profile["metrics"],
+        "metrics_of": f"speedups: the routed rule and the best single configuration, per token over the "
+        f"calibration prompts; acceptance, fidelity, tier shares: the fallback configuration {names[fallback]}",
         "speedup_measured": float(ar.sum()) / routed_s,
         "speedup_best_single": float(ar.sum() / cost[:, single].sum()),
         "evaluated_on": "calibration (in sample)",
