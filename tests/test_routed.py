@@ -288,6 +288,7 @@ def test_one_leaf_rule_is_the_single_configuration(tiny, one_thread) -> None:
     for prompt in _prompts(12, seed=7):
         a, b = one.generate(prompt, max_new_tokens=10), ref.generate(prompt, max_new_tokens=10)
         assert a.token_ids == b.token_ids and a.stats.routed_to == "viasd" and b.stats.routed_to is None
+        assert a.stats.to_dict()["routed_to"] == "viasd" and "routed_to" not in b.stats.to_dict()
         strip = lambda s: {k: v for k, v in asdict(s).items() if k not in _TIMES}  # noqa: E731
         assert strip(a.stats) == strip(b.stats)
 

@@ -21,9 +21,10 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import best_match
 
-from viasd_tune.config import model_drafter
+from viasd_tune.config import DecodeConfig, model_drafter
 from viasd_tune.errors import UserError
 from viasd_tune.fsutil import atomic_write_text, check_output_file
+from viasd_tune.rule import validate_rule
 
 SCHEMA_VERSION = 1
 _SCHEMA_FILE = "profile.schema.json"
@@ -153,8 +154,6 @@ def _check_semantics(profile: dict[str, Any], origin: str) -> None:
 def decoding_keys() -> frozenset[str]:
     """The profile fields that make up one decoding configuration (what each of a routed profile's
     configurations holds besides its name)."""
-    from viasd_tune.config import DecodeConfig
-
     return frozenset(DecodeConfig(mode="ar", drafter="lookup").to_profile())
 
 
@@ -175,8 +174,6 @@ def configuration_profile(profile: dict[str, Any], k: int) -> dict[str, Any]:
 
 
 def _check_routes(profile: dict[str, Any], origin: str) -> None:
-    from viasd_tune.rule import validate_rule
-
     configurations = profile["routes"]["configurations"]
     allowed = decoding_keys() | {"name"}
     names = [c["name"] for c in configurations]
