@@ -9,6 +9,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 from browser import CHROMIUM, load_page  # tests/ is on sys.path (rootdir conftest, no package)
@@ -21,7 +22,30 @@ from viasd_tune.errors import UserError
 
 NUM_LAYERS = 8
 MIN_FIDELITY = 0.9
-FIGURES = ("pareto", "skips", "thresholds", "tokens", "history", "importances")
+FIGURES = (
+    "pareto",
+    "fidelity",
+    "skips",
+    "layer_importance",
+    "thresholds",
+    "tokens",
+    "history",
+    "importances",
+)
+# What the search's calibration pass stores (search/importance.py): layers 0 and 7 protected, not scored.
+LAYER_IMPORTANCE = {
+    "drop": {
+        "attn": [None, 0.0, 0.05, 0.1, 0.02, 0.3, 0.0, None],
+        "mlp": [None, 0.01, 0.0, 0.2, 0.04, 0.06, 0.5, None],
+    },
+    "kl": {
+        "attn": [None, 0.0, 0.01, 0.02, 0.003, 0.1, 0.0, None],
+        "mlp": [None, 0.002, 0.0, 0.05, 0.01, 0.02, 0.3, None],
+    },
+    "saved_s": {"attn": 0.002, "mlp": 0.004},
+    "positions": 120,
+    "block": 8,
+}
 DISTS = {
     "drafter": CategoricalDistribution(["model", "self", "lookup"]),
     "gamma": CategoricalDistribution([2, 4, 6, 8]),
@@ -163,6 +187,7 @@ def populate(study: optuna.Study, seed: int = 0, export: bool = True) -> int | N
     study.set_user_attr("min_fidelity", MIN_FIDELITY)
     study.set_user_attr("target", "tiny/llama-8l")
     study.set_user_attr("draft", "tiny/llama-2l")
+    study.set_user_attr("layer_importance", LAYER_IMPORTANCE)
     study.add_trial(_plain_sd_trial())
     for i in range(8):
         study.add_trial(_trial(rng, i, new_constraint_format=(i == 3)))
@@ -240,7 +265,9 @@ def test_header_and_contract_details(built):
     facts = page.facts
     assert facts["target"] == "tiny/llama-8l" and facts["draft"] == "tiny/llama-2l"
     # 12 complete: 9 feasible (plain SD + 8), 3 infeasible (2 + replay-only); plus 1 failed, 1 pruned.
-    assert facts["trials"] == "12 complete (9 feasible, 3 infeasible) · 1 failed · 1 pruned"
+    assert facts["trials"] == (
+        "12 complete (9 feasible, 3 infeasible), 11 decoded for real, 1 replayed only · 1 failed · 1 pruned"
+    )
     assert facts["min fidelity"] == "0.9"
     star = study.trials[exported]
     assert facts["exported profile"] == (
@@ -341,7 +368,9 @@ def test_importance_failure_becomes_a_note(tmp_path):
     study.add_trial(_plain_sd_trial())  # one trial: importances cannot be computed
     text = dashboard.build_dashboard(study, tmp_path / "d.html").read_text(encoding="utf-8")
     page = read_page(text)
-    assert figure_divs(page) == [f for f in FIGURES if f != "importances"]
+    # nor is there a layer importance: a study from before seeding
+    assert figure_divs(page) == [f for f in FIGURES if f not in ("importances", "layer_importance")]
+    assert page.sections["layer_importance"].notes[0].startswith("No layer importance in this study")
     (note,) = page.sections["importances"].notes
     assert note.startswith("parameter importances unavailable")
     assert len(re.findall(r"\* plotly\.js v\d", text)) == 1
@@ -367,6 +396,73 @@ def test_a_study_without_complete_trials_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="no complete trial"):
         dashboard.build_dashboard(study, tmp_path / "d.html")
     assert not (tmp_path / "d.html").exists()
+
+
+def test_layer_importance_map_shows_the_stored_scores(built):
+    page = read_page(built[0])
+    (heat,) = figure(page, "layer_importance")["data"]
+    z = [
+        [None if v is None or v != v else v for v in row]
+        for row in np.asarray(heat["z"], dtype=float).tolist()
+    ]
+    assert z == [list(pair) for pair in zip(*LAYER_IMPORTANCE["drop"].values(), strict=True)]
+    assert heat["x"] == ["attention", "MLP"]
+    assert "not scored" in heat["hovertext"][0][0] and "30.0% of positions" in heat["hovertext"][5][0]
+    caption = page.sections["layer_importance"].captions[0]
+    assert "120 positions in blocks of 8 tokens" in caption
+    assert "attention 2 ms, MLP 4 ms per block" in caption
+
+
+def test_speed_vs_fidelity_scatter(built):
+    path, exported, study = built
+    page = read_page(path)
+    fig = figure(page, "fidelity")
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    (decoded,) = traces(fig, name=f"decoded for real ({len(complete) - 1})")
+    assert sorted(trace_points(decoded, "x", "y")) == sorted(
+        (t.user_attrs["fidelity"], t.values[0]) for t in complete if t.user_attrs["measured"]
+    )
+    (replayed,) = traces(fig, name="replayed only (modelled speedup) (1)")
+    assert trace_points(replayed, "x", "y") == [(0.41, 2.9)]
+    (star,) = traces(fig, name=f"exported profile (#{exported})")
+    assert trace_points(star, "x", "y") == [
+        (study.trials[exported].user_attrs["fidelity"], study.trials[exported].values[0])
+    ]
+    assert [s["x0"] for s in fig["layout"]["shapes"] if s["x0"] == s["x1"]] == [MIN_FIDELITY]
+
+
+def test_a_banner_when_the_export_is_slower_than_plain_decoding(tmp_path, built):
+    assert "Slower than plain decoding" not in read_page(built[0]).text  # held-out 1.7x: no banner
+    study = new_study()
+    chosen = populate(study)
+    held = dict(study.user_attrs[f"held_out:{chosen}"], speedup_measured=0.85)
+    study.set_user_attr(f"held_out:{chosen}", held)
+    page = read_page(dashboard.build_dashboard(study, tmp_path / "d.html"))
+    assert (
+        f"Slower than plain decoding: trial #{chosen}, the search's pick, ran at 0.85× the target's own AR "
+        "decoding on the 6 held-out prompts."
+    ) in " ".join(page.text.split())
+
+
+def test_a_replayed_trial_never_joins_the_front(tmp_path):
+    """A trial only replayed (modelled objectives) can meet the constraint on its estimate; it is plotted but
+    is not a front point, as the export's front holds decoded trials only."""
+    study = new_study()
+    populate(study, export=False)
+    t = _replay_only_trial()
+    study.add_trial(
+        create_trial(
+            values=[9.0, 9.0],
+            params=t.params,
+            distributions=t.distributions,
+            user_attrs={**t.user_attrs, "fidelity": MIN_FIDELITY + 0.05, "screened": "dominated"},
+            system_attrs={"constraints": [-0.05]},
+        )
+    )
+    points = dashboard._points(study.get_trials(states=(TrialState.COMPLETE,)), MIN_FIDELITY)
+    (p,) = [p for p in points if p.speedup == 9.0]
+    assert p.feasible and not p.pareto
+    assert any(q.pareto for q in points)
 
 
 # ------------------------------------------------------------------------------------------------ loading

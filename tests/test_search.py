@@ -55,7 +55,7 @@ def test_search_exports_a_valid_profile(searched, tiny_dirs):
     assert profile["provenance"]["matrix_isa"] == host.matrix_isa("cpu")  # the host it was measured on
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(complete) == TRIALS
+    assert sum(bool(t.user_attrs["measured"]) for t in complete) == TRIALS  # --trials counts real decodes
     # pareto/ holds exactly the feasible, measured trials that no other one beats on both objectives.
     pool = [t for t in complete if t.user_attrs["feasible"] and t.user_attrs["measured"]]
     front = [
@@ -185,10 +185,11 @@ def test_runtime_refuses_a_different_model(searched, tiny_dirs, tmp_path):
 
 def test_resume_adds_no_trials_and_export_cli(searched, tiny_dirs, tmp_path, capsys):
     out, summary = searched
+    before = len(optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}").trials)
     again = run_search(settings(tiny_dirs, out))  # same study, same settings: resumes, nothing to do
     assert again["trial"] == summary["trial"]
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
-    assert len(study.trials) == TRIALS
+    assert len(study.trials) == before
     target = tmp_path / "fastest.json"
     rc = main(
         [
@@ -248,8 +249,10 @@ def test_two_workers_share_one_study(tiny_dirs, tmp_path):
     )
     assert rc == 0
     study = optuna.load_study(study_name="pair", storage=f"sqlite:///{out / 'study.db'}")
-    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert 6 <= len(done) <= 7  # each worker stops once the study holds 6 (one may be mid-trial then)
+    done = [
+        t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs["measured"]
+    ]
+    assert 6 <= len(done) <= 7  # each worker stops once the study holds 6 decoded (one may be mid-trial then)
     assert len({t.number for t in done}) == len(done)
     assert len({json.dumps(t.params, sort_keys=True) for t in done}) >= 5
 
@@ -408,3 +411,103 @@ def test_routed_export_from_a_search(searched, tiny_dirs, tmp_path, capsys):
     decoder = runtime.load(profile, model=target, draft=draft, device="cpu")
     names = [c["name"] for c in profile["routes"]["configurations"]]
     assert decoder.generate("def f(x):", max_new_tokens=4).stats.routed_to in names
+
+
+def test_the_study_starts_from_importance_seeds(searched):
+    """The sub-layer scores are kept in the study, and the seed skip sets built from them were the first trials
+    after the reference points, with the space's params decoding to exactly those sets."""
+    from viasd_tune.search import importance
+    from viasd_tune.search import space as spaces
+
+    out, _ = searched
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
+    imp = importance.Importance.from_dict(study.user_attrs[importance.ATTR])
+    assert imp.positions > 0 and set(imp.drop) == {"attn", "mlp"}
+    n_layers = study.user_attrs["num_layers"]
+    assert imp.drop["attn"][0] is None and imp.drop["mlp"][n_layers - 1] is None  # smoke protects both ends
+    seeds = importance.seed_skip_sets(imp, spaces.load_space("smoke"), n_layers)  # what the run enqueued
+    seeded = [
+        t
+        for t in study.trials
+        if t.system_attrs.get("fixed_params") and "escalate_all" not in t.system_attrs["fixed_params"]
+    ]
+    assert seeds and len(seeded) == len(seeds)
+    space = spaces.load_space("smoke")
+    ran = 0
+    for t, skip in zip(seeded, seeds, strict=True):
+        assert t.system_attrs["fixed_params"] == importance.skip_params(space, n_layers, skip)
+        if t.state == optuna.trial.TrialState.COMPLETE:  # seeds after the last decode asked for stay WAITING
+            ran += 1
+            assert (t.user_attrs["config"]["skip_attn"], t.user_attrs["config"]["skip_mlp"]) == (
+                sorted(skip.attn),
+                sorted(skip.mlp),
+            )
+    assert ran >= 1
+
+
+def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """Trials the screen rejects are replayed only (measured False, with why); the study holds exactly --trials
+    decoded ones, and the progress bar shows both counts."""
+    from viasd_tune.search import run
+
+    calls = []
+
+    def every_third(study, modelled, acceptance):
+        calls.append(modelled)
+        return len(calls) % 3 == 0
+
+    monkeypatch.setattr(run, "could_enter_front", every_third)
+    out = tmp_path / "count"
+    run_search(settings(tiny_dirs, out, trials=5, prompts=6, max_new_tokens=6, progress=True))
+    study = optuna.load_study(study_name="count", storage=f"sqlite:///{out / 'study.db'}")
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    decoded = [t for t in complete if t.user_attrs["measured"]]
+    replayed = [t for t in complete if not t.user_attrs["measured"]]
+    assert len(decoded) == 5
+    assert len(replayed) >= len(calls) - len(calls) // 3 > 0
+    assert {t.user_attrs["screened"] for t in replayed} <= {"dominated", "fidelity"}
+    assert all("screened" not in t.user_attrs for t in decoded)
+    err = capsys.readouterr().err
+    assert "decoded" in err and f"replayed={len(complete)}" in err
+
+
+def test_a_search_with_nothing_worth_decoding_stops(tiny_dirs, tmp_path, monkeypatch, caplog):
+    """When the screen rejects every sampled trial, the search still ends: after REPLAYS_PER_DECODE replays
+    per decode asked for (at least MIN_REPLAYS), with the reference points decoded and a warning saying so."""
+    from viasd_tune.search import run
+
+    monkeypatch.setattr(run, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(run, "MIN_REPLAYS", 9)
+    monkeypatch.setattr(run, "REPLAYS_PER_DECODE", 1)
+    out = tmp_path / "capped"
+    run_search(settings(tiny_dirs, out, trials=5, prompts=4, max_new_tokens=4))
+    study = optuna.load_study(study_name="capped", storage=f"sqlite:///{out / 'study.db'}")
+    states = [t.state for t in study.trials]
+    assert states == [optuna.trial.TrialState.COMPLETE] * 9
+    decoded = [t.number for t in study.trials if t.user_attrs["measured"]]
+    assert decoded == [0, 1, 2]  # the reference points: no skip, plain SD with the model and with lookup
+    assert "stopped after 9 replayed trials: only 3 were worth decoding for real (--trials 5)" in caplog.text
+
+
+def test_a_replayed_trial_is_decoded_only_if_it_could_enter_the_front():
+    from viasd_tune.search.run import FRONT_SLACK, could_enter_front
+
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    assert could_enter_front(study, 0.1, 0.1)  # nothing measured yet: decode
+
+    def add(values, measured, feasible, modelled):
+        study.add_trial(
+            optuna.trial.create_trial(
+                values=values,
+                user_attrs={"measured": measured, "feasible": feasible, "speedup_modelled": modelled},
+            )
+        )
+
+    add([1.2, 2.0], True, True, 2.4)  # measured at half its modelled speedup
+    add([5.0, 5.0], True, False, 10.0)  # infeasible: not a front point
+    add([9.0, 9.0], False, False, 9.0)  # replayed only: not a front point
+    # modelled 2.0 -> predicted 1.0 (ratio 0.5): dominated by (1.2, 2.0) beyond the slack at acceptance 1.5
+    assert not could_enter_front(study, 2.0, 1.5)
+    assert could_enter_front(study, 2.0, 2.0 / (1 + FRONT_SLACK) + 0.01)  # too close on acceptance
+    assert could_enter_front(study, 2.3, 1.0)  # predicted 1.15: within the slack on speedup
+    assert could_enter_front(study, 3.0, 0.5)  # predicted faster than anything measured

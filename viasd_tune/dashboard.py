@@ -98,8 +98,13 @@ def _points(trials: Sequence[FrozenTrial], min_fidelity: float | None) -> list[_
                 config=config if isinstance(config, dict) else {},
             )
         )
-    _mark_pareto([p for p in points if p.feasible])
+    _mark_pareto([p for p in points if p.feasible and _decoded(p)])
     return points
+
+
+def _decoded(p: _Point) -> bool:
+    """Decoded for real; a trial the search only replayed has modelled objectives and never joins the front."""
+    return p.trial.user_attrs.get("measured") is not False
 
 
 def _mark_pareto(points: list[_Point]) -> None:
@@ -289,6 +294,142 @@ def _fig_pareto(points: list[_Point], exported: _Point | None, min_fidelity: flo
         yaxis_title="acceptance (tokens emitted per full-target call)",
         legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
         margin=dict(l=70, r=30, t=70, b=60),
+    )
+
+
+def _fig_fidelity(points: list[_Point], exported: _Point | None, min_fidelity: float | None) -> go.Figure:
+    """Speedup against fidelity: VIA-SD is lossy, and this is the trade a user makes."""
+    fig = go.Figure()
+    known = [p for p in points if p.fidelity is not None]
+    groups = [
+        (
+            "decoded for real",
+            dict(symbol="circle", size=10, color="#1f77b4", line=dict(width=0.5, color="#333")),
+        ),
+        ("replayed only (modelled speedup)", dict(symbol="circle-open", size=7, color="#999")),
+    ]
+    for name, marker in groups:
+        group = [p for p in known if _decoded(p) == (name == "decoded for real")]
+        if group:
+            fig.add_trace(
+                go.Scatter(
+                    x=[p.fidelity for p in group],
+                    y=[p.speedup for p in group],
+                    mode="markers",
+                    name=f"{name} ({len(group)})",
+                    marker=marker,
+                    hovertext=[_hover(p, min_fidelity) for p in group],
+                    hovertemplate="%{hovertext}<extra></extra>",
+                )
+            )
+    if exported is not None and exported.fidelity is not None:
+        fig.add_trace(
+            go.Scatter(
+                x=[exported.fidelity],
+                y=[exported.speedup],
+                mode="markers",
+                name=f"exported profile (#{exported.number})",
+                marker=dict(symbol="star", size=20, color="gold", line=dict(width=1.5, color="black")),
+                hovertext=[_hover(exported, min_fidelity)],
+                hovertemplate="%{hovertext}<extra>exported</extra>",
+            )
+        )
+    if min_fidelity is not None:
+        fig.add_vline(x=min_fidelity, line=dict(color="#d62728", dash="dash", width=1))
+        fig.add_annotation(
+            x=min_fidelity, y=1.0, yref="paper", text=f"min fidelity {min_fidelity:g}", showarrow=False,
+            xanchor="right", font=dict(color="#d62728"),
+        )  # fmt: skip
+    fig.add_hline(y=1.0, line=dict(color="#888", dash="dash", width=1))
+    return _layout(
+        fig,
+        460,
+        xaxis_title="fidelity (share of emitted tokens the target picks greedily)",
+        yaxis_title="speedup over the target's AR (×)",
+        legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
+        margin=dict(l=70, r=30, t=70, b=60),
+    )
+
+
+def _fig_layer_importance(study: optuna.Study) -> tuple[go.Figure | None, str]:
+    """The calibration pass's sub-layer scores (search/importance.py): what skipping each one alone changes."""
+    imp = study.user_attrs.get("layer_importance")
+    if not isinstance(imp, dict) or not isinstance(imp.get("drop"), dict):
+        return None, "No layer importance in this study (searches before seeding did not score sub-layers)."
+    drop, kl = imp["drop"], imp.get("kl") or {}
+    n = max((len(v) for v in drop.values() if isinstance(v, list)), default=0)
+    if n == 0:
+        return None, "The study's layer importance is empty."
+
+    def cell(table: dict, kind: str, layer: int) -> float | None:
+        values = table.get(kind) or []
+        v = values[layer] if layer < len(values) else None
+        return float(v) if _finite(v) else None
+
+    z = [[cell(drop, k, i) for k in ("attn", "mlp")] for i in range(n)]
+    hover = [
+        [
+            f"layer {i} {name}: "
+            + (
+                "not scored (the space may not skip it)"
+                if cell(drop, k, i) is None
+                else f"skipped alone, top-1 changes at {cell(drop, k, i):.1%} of positions; "
+                f"KL(full‖skipped) {_num(cell(kl, k, i), '.3g')}"
+            )
+            for k, name in (("attn", "attention"), ("mlp", "MLP"))
+        ]
+        for i in range(n)
+    ]
+    top = max((v for row in z for v in row if v is not None), default=0.0)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=["attention", "MLP"],
+            y=list(range(n)),
+            zmin=0,
+            zmax=max(top, 1e-9),
+            colorscale="Reds",
+            colorbar=dict(title=dict(text="top-1 drop"), tickformat=".0%"),
+            texttemplate="%{z:.0%}" if n <= 48 else None,
+            xgap=2,
+            ygap=1,
+            hovertext=hover,
+            hovertemplate="%{hovertext}<extra></extra>",
+        )
+    )
+    _layout(
+        fig,
+        min(max(260, 18 * n + 110), 1500),
+        xaxis=dict(side="top"),
+        yaxis=dict(title="layer", autorange="reversed", dtick=1 if n <= 48 else None),
+        margin=dict(l=70, r=30, t=50, b=30),
+    )
+    saved = imp.get("saved_s") or {}
+    price = ", ".join(
+        f"{name} {1000 * saved[k]:.3g} ms"
+        for k, name in (("attn", "attention"), ("mlp", "MLP"))
+        if _finite(saved.get(k))
+    )
+    note = f"{imp.get('positions', '?')} positions in blocks of {imp.get('block', '?')} tokens"
+    if price:
+        note += f"; one skipped sub-layer saves {price} per block (cost model)"
+    return fig, note
+
+
+def _slower_banner(study: optuna.Study, exported: _Point | None) -> str:
+    """A banner when the exported pick ran slower than plain decoding on the held-out prompts."""
+    if exported is None:
+        return ""
+    held = study.user_attrs.get(f"held_out:{exported.number}")
+    speed = held.get("speedup_measured") if isinstance(held, dict) else None
+    if not _finite(speed) or speed >= 1.0:
+        return ""
+    return (
+        f'<p class="note" id="slower-than-ar"><b>Slower than plain decoding:</b> trial #{exported.number}, the '
+        f"search's pick, ran at {speed:.2f}× the target's own AR decoding on the "
+        f"{_esc(held.get('held_out_prompts', '?'))} held-out prompts. The search exports plain decoding "
+        "(<code>mode: ar</code>) instead; a profile of this trial (<code>export --pick</code>) is slower than "
+        "not using the tool.</p>"
     )
 
 
@@ -659,6 +800,9 @@ def _header_rows(
     if len(points) < complete:
         trials += f", {complete - len(points)} without finite objectives, not plotted"
     trials += ")"
+    replayed = sum(not _decoded(p) for p in points)
+    if replayed:
+        trials += f", {len(points) - replayed} decoded for real, {replayed} replayed only"
     for state in ("fail", "pruned", "running", "waiting"):
         if counts.get(state):
             trials += f" · {counts[state]} {'failed' if state == 'fail' else state}"
@@ -744,12 +888,36 @@ def build_dashboard(
             _fig_pareto(points, exported, min_fidelity),
         )
     )
+    sections.append(
+        (
+            "fidelity",
+            "Speedup vs fidelity",
+            "VIA-SD is lossy: each trial's speedup against its fidelity (the share of emitted tokens the target "
+            "itself picks greedily). Trials the search only replayed show their modelled speedup.",
+            _fig_fidelity(points, exported, min_fidelity),
+        )
+    )
     fig, note = _fig_skips(study, points)
     sections.append(
         (
             "skips",
             "Which sub-layers the good trials skip",
             f"Share of {_esc(note)} whose slim verifier skips each layer's attention or MLP.",
+            fig,
+        )
+    )
+    fig, note = _fig_layer_importance(study)
+    sections.append(
+        (
+            "layer_importance",
+            "Layer importance: what skipping each sub-layer alone changes",
+            (
+                "The calibration pass before the study: the share of positions whose top-1 token changes when "
+                f"the slim verifier skips only this sub-layer ({_esc(note)}). The study is seeded with skip sets "
+                "built from these scores."
+            )
+            if fig
+            else _esc(note),
             fig,
         )
     )
@@ -806,6 +974,7 @@ def build_dashboard(
     facts = facts_table(_header_rows(study, points, exported, exported_trial))
     generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     content = f"""<h1>{_esc(name)}</h1>
+{_slower_banner(study, exported)}
 {facts}
 <p class="caption">Generated {generated} by viasd-tune from the study's records; opens offline.</p>
 {chr(10).join(body)}"""

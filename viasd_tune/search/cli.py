@@ -25,7 +25,13 @@ def add_search_commands(sub, add_model_args) -> None:
         "--held-out", type=float, default=0.25, help="share of prompts kept out for the final report"
     )
     s.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
-    s.add_argument("--trials", type=int, default=20)
+    s.add_argument(
+        "--trials",
+        type=int,
+        default=20,
+        help="trials decoded for real (measured); many more are replay-scored in seconds each and only those "
+        "that could enter the feasible front are decoded",
+    )
     s.add_argument("--out", default=None, help="output folder (default artifacts/<study name>)")
     s.add_argument("--storage", help="Optuna storage URL (default sqlite in the out folder)")
     s.add_argument("--study-name", help="study name (default: the out folder's name)")

@@ -1,10 +1,13 @@
 """The search: an Optuna study over skip sets, thresholds, KL direction, γ and drafter, scored on calibration
 prompts, then the knee of the feasible Pareto front re-measured on held-out prompts and exported.
 
-Per trial: replay (cheap, see ``replay.py``) estimates fidelity, acceptance and a modelled speedup; a trial
-whose estimated fidelity is clearly below ``--min-fidelity`` keeps those estimates (``measured=False``);
-the others are confirmed by real three-tier decoding, interleaved prompt by prompt with the target's own AR
-decoding, and the measured numbers become the objectives.
+Before the study, one calibration pass scores every sub-layer by what skipping it alone changes and the study
+is seeded with skip sets built from those scores (``importance.py``). Per trial: replay (cheap, see
+``replay.py``) estimates fidelity, acceptance and a modelled speedup; a trial whose estimated fidelity is clearly
+below ``--min-fidelity``, or that could not enter the measured feasible front, keeps those estimates
+(``measured=False``); the others are confirmed by real three-tier decoding, interleaved prompt by prompt with
+the target's own AR decoding, and the measured numbers become the objectives. ``--trials`` counts those real
+decodes: many replayed trials, few decoded ones.
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ from ..fidelity import agreement, greedy_agreement
 from ..profile import calibration_fingerprint, redact_url
 from ..routing import install_skipping, num_layers
 from ..rule import prompt_features
-from . import costmodel, replay
+from . import costmodel, importance, replay
 from . import space as spaces
 from .export import export_study
 from .storage import env_seconds, open_study
 
 log = logging.getLogger(__name__)
 ESTIMATE_MARGIN = 0.03  # trials estimated this far below min fidelity are not worth decoding for real
+FRONT_SLACK = 0.1  # a replayed trial is decoded unless a measured feasible one beats it by this much on both
+REPLAYS_PER_DECODE = 20  # at most this many finished trials per real decode asked for (--trials), then stop
+MIN_REPLAYS = 100
 
 
 @dataclass
@@ -282,6 +288,7 @@ def run_search(s: SearchSettings) -> dict:
     cache = replay.ReplayCache(target.model, refs, draft.model if draft else None)
     cost = costmodel.fit(target.model, draft.model if draft else None, refs[0].prompt_ids)
     ar_model_time = sum(len(r.output) for r in refs) * cost.target_time(1, None)
+    seed_skip_sets(study, target.model, refs, cost, space, n_layers, s.progress)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         cfg = spaces.suggest(trial, space, n_layers, drafters)
@@ -291,8 +298,14 @@ def run_search(s: SearchSettings) -> dict:
             "estimate", {"fidelity": est.fidelity, "acceptance": est.acceptance, "speedup_modelled": modelled}
         )
         trial.set_user_attr("speedup_modelled", modelled)
+        screened = None
         if est.fidelity < s.min_fidelity - ESTIMATE_MARGIN:
+            screened = "fidelity"
+        elif not _reference_point(trial) and not could_enter_front(study, modelled, est.acceptance):
+            screened = "dominated"
+        if screened:
             trial.set_user_attr("measured", False)
+            trial.set_user_attr("screened", screened)  # why it was not decoded for real
             trial.set_user_attr("fidelity", est.fidelity)
             trial.set_user_attr("feasible", False)
             trial.set_constraint("fidelity", s.min_fidelity - est.fidelity)
@@ -375,6 +388,57 @@ def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
 
+def seed_skip_sets(
+    study: optuna.Study,
+    target,
+    refs: list[replay.Reference],
+    cost: costmodel.CostModel,
+    space: spaces.SearchSpace,
+    n_layers: int,
+    progress: bool,
+) -> importance.Importance:
+    """Score the sub-layers once per study (kept in the study's user attr, so a resume or another worker reuses
+    them) and enqueue the skip sets built from the scores."""
+    stored = study.user_attrs.get(importance.ATTR)
+    if stored:
+        imp = importance.Importance.from_dict(stored)
+    else:
+        imp = importance.measure(target, refs, cost, space, progress=progress)
+        study.set_user_attr(importance.ATTR, imp.to_dict())
+    n = importance.enqueue_seeds(study, space, n_layers, imp)
+    log.info("enqueued %d skip sets built from layer importance", n)
+    return imp
+
+
+def _reference_point(trial: optuna.Trial) -> bool:
+    """The enqueued baselines (no skip, plain SD per drafter) are always decoded: every study measures them."""
+    fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params") or {}
+    return "escalate_all" in fixed
+
+
+def could_enter_front(study: optuna.Study, modelled: float, acceptance: float) -> bool:
+    """Whether a replayed trial might join the measured feasible Pareto front, so that decoding it for real is
+    worth its cost. Its modelled speedup is put on the measured scale by the median measured/modelled ratio of
+    the measured trials, and it is ruled out only when a measured feasible trial beats it by ``FRONT_SLACK`` on
+    both objectives (the replay and the cost model are approximations)."""
+    TS = optuna.trial.TrialState
+    measured = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TS.COMPLETE,))
+        if t.user_attrs.get("measured") and t.user_attrs.get("feasible")
+    ]
+    ratios = [
+        t.values[0] / t.user_attrs["speedup_modelled"]
+        for t in measured
+        if _finite(t.user_attrs.get("speedup_modelled", math.nan)) and t.user_attrs["speedup_modelled"] > 0
+    ]
+    predicted = modelled * (statistics.median(ratios) if ratios else 1.0)
+    return not any(
+        t.values[0] >= predicted * (1 + FRONT_SLACK) and t.values[1] >= acceptance * (1 + FRONT_SLACK)
+        for t in measured
+    )
+
+
 POLL_S = 0.5  # how often a worker with nothing to start re-reads the study
 
 
@@ -420,7 +484,9 @@ def _patience(trials: list[optuna.trial.FrozenTrial]) -> float:
 
 
 def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
-    """Run trials until the study holds ``s.trials`` finished ones, counting every worker's, or until timeout.
+    """Run trials until the study holds ``s.trials`` decoded ones (measured: replayed trials that were not worth
+    decoding do not count), counting every worker's, or until timeout, or until ``REPLAYS_PER_DECODE`` finished
+    trials per decode asked for (at least ``MIN_REPLAYS``) found too few worth decoding.
 
     One trial per ``study.optimize`` call, so each start re-reads the study: a trial another worker is running
     counts as on its way (no overshoot); a trial whose worker died is failed once its heartbeat is stale and
@@ -431,7 +497,8 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
     TS = optuna.trial.TrialState
     debug = log.isEnabledFor(logging.INFO)
     optuna.logging.set_verbosity(optuna.logging.WARNING if debug else optuna.logging.ERROR)  # we log failures
-    bar = tqdm(total=s.trials, desc="trials", disable=not s.progress, unit="trial")
+    bar = tqdm(total=s.trials, desc="decoded", disable=not s.progress, unit="trial")
+    max_finished = max(MIN_REPLAYS, REPLAYS_PER_DECODE * s.trials)
     start, ran, failed_in_a_row, last = time.time(), 0, 0, []
     progress, idle_since = None, time.time()
     guarded = _guarded(objective)
@@ -442,7 +509,8 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
                 optuna.storages.fail_stale_trials(study)  # a dead worker's trial → FAIL + a WAITING retry
             trials = study.get_trials(deepcopy=False)
             n = collections.Counter(t.state for t in trials)
-            done, running = n[TS.COMPLETE] + n[TS.PRUNED], n[TS.RUNNING]
+            finished, running = n[TS.COMPLETE] + n[TS.PRUNED], n[TS.RUNNING]
+            done = sum(1 for t in trials if t.state == TS.COMPLETE and t.user_attrs.get("measured"))
             retry = any(t.state == TS.WAITING and "failed_trial" in t.system_attrs for t in trials)
             if (done, running, len(trials)) != progress:
                 progress, idle_since = (done, running, len(trials)), time.time()
@@ -452,11 +520,13 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
                 if t.state == TS.COMPLETE and t.user_attrs.get("feasible") and t.user_attrs.get("measured")
             ]
             bar.n = min(done, s.trials)
-            bar.set_postfix(best_speedup=f"{max(best):.2f}x" if best else "-", refresh=False)
+            bar.set_postfix(
+                replayed=finished, best_speedup=f"{max(best):.2f}x" if best else "-", refresh=False
+            )
             bar.refresh()
             if s.timeout is not None and time.time() - start >= s.timeout:
                 break
-            if done + running < s.trials or retry:
+            if (done + running < s.trials and finished + running < max_finished) or retry:
                 last.clear()
                 try:
                     study.optimize(
@@ -492,5 +562,12 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
     finally:
         bar.close()
     if ran == 0 and done >= s.trials:
-        log.warning("study already has %d finished trials; exporting", done)
+        log.warning("study already has %d decoded trials; exporting", done)
+    elif done < s.trials and finished >= max_finished:
+        log.warning(
+            "stopped after %d replayed trials: only %d were worth decoding for real (--trials %d)",
+            finished,
+            done,
+            s.trials,
+        )
     log.info("search ran %.0f s", time.time() - start)
