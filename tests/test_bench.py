@@ -322,7 +322,7 @@ def test_without_draft_uses_lookup_and_maps_spec_bench_groups(tiny_dirs, tmp_pat
     assert result["meta"]["methods"] == ["hf", "ar", "hf-lookup", "sd"]
     assert set(result["meta"]["skipped_methods"]) == {"hf-assisted", "hf-assisted-default"}
     assert "skipped" in (out / "bench.md").read_text()
-    assert result["methods"]["sd"]["settings"] == {"gamma": 2, "drafter": "lookup"}
+    assert result["methods"]["sd"]["settings"] == {"gamma": 2, "drafter": "lookup", "draft_confidence": 0.0}
     assert result["summary"]["sd"]["exact_match"] == 1.0
     groups = {p["category"]: p["task_group"] for p in result["prompts"]}
     assert groups == {

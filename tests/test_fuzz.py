@@ -343,6 +343,12 @@ def test_fuzz_routed_profile(valid_routed_profile, stubbed, data):
 # ------------------------------------------------------------------ search spaces
 
 SMOKE = yaml.safe_load(spaces.shipped_space_file("smoke").read_text())
+# The smoke space with the optional keys too, so mutations reach them.
+SMOKE_ALL_KEYS = SMOKE | {
+    "recheck": [False, True],
+    "draft_confidence": {"low": 0.0, "high": 0.6},
+    "draft_model": {"skip_fraction": {"low": 0.0, "high": 0.5}},
+}
 SPACE_TEXTS = st.sampled_from(
     [
         "", "{}", "[]", "version: 1", ":\n:", "a: &a [*a]", "!!python/object/apply:os.system ['true']",
@@ -353,7 +359,7 @@ SPACE_TEXTS = st.sampled_from(
 
 @st.composite
 def mutated_spaces(draw):
-    space = copy.deepcopy(SMOKE)
+    space = copy.deepcopy(draw(st.sampled_from([SMOKE, SMOKE_ALL_KEYS])))
     if draw(st.booleans()):  # the hybrid drafters and their searchable lookup_min
         space.update(drafter=["lookup+model", "lookup"], lookup_min={"low": 1, "high": 3})
     for _ in range(draw(st.integers(1, 3))):
@@ -396,7 +402,7 @@ def test_fuzz_search_space(stubbed, text):
         spaces.enqueue_known_points(study, space, 4, drafters)
         for _ in range(3):
             trial = study.ask()
-            spaces.suggest(trial, space, 4, drafters)
+            spaces.suggest(trial, space, 4, drafters, draft_layers=3)
     except UserError as e:
         assert "\n" not in str(e)
 

@@ -132,7 +132,10 @@ def test_path_loads_same_content_as_name(tmp_path: Path) -> None:
         (edited(version=2), "$.version: 1 was expected"),
         (edited(extra=1), "$: unknown key 'extra'; remove or rename it"),
         (edited(kl=None), "$: missing key 'kl'; add it"),
-        (edited(self_draft=None), "$: missing key 'self_draft' (needed because drafter lists 'self' or 'lookup+self')"),
+        (
+            edited(self_draft=None),
+            "$: missing key 'self_draft' (needed because drafter lists 'self' or 'lookup+self')",
+        ),
         (edited(tau_escalate={"low": 5.0, "high": 1.0}), "$.tau_escalate: low 5.0 > high 1.0"),
         (edited(tau_escalate={"low": 0.0, "high": 1.0, "log": True}), "$.tau_escalate.low: must be > 0"),
         (edited(tau_escalate={"low": -1, "high": 1}), "$.tau_escalate.low: -1 is less than the minimum of 0"),
@@ -187,9 +190,22 @@ def test_optional_sections_when_unused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- suggest
 
 
-def check_config(cfg: DecodeConfig, trial: optuna.trial.FrozenTrial, space, num_layers: int) -> None:
+def check_config(
+    cfg: DecodeConfig,
+    trial: optuna.trial.FrozenTrial,
+    space,
+    num_layers: int,
+    draft_layers: int | None = None,
+) -> None:
     eligible = set(range(space.skip.protect_first, num_layers - space.skip.protect_last))
-    assert cfg.mode == "viasd" and not cfg.recheck and cfg.draft_confidence == 0.0
+    assert cfg.mode == "viasd" and cfg.recheck in space.recheck
+    confidence = space.draft_confidence
+    if cfg.drafter == "lookup":
+        assert cfg.draft_confidence == 0.0 and "draft_confidence" not in trial.params
+    elif isinstance(confidence, FloatRange):
+        assert confidence.low <= cfg.draft_confidence <= confidence.high
+    else:
+        assert cfg.draft_confidence in confidence
     assert cfg.skip.attn <= eligible and cfg.skip.mlp <= eligible
     assert 0.0 <= cfg.tau_accept <= cfg.tau_escalate
     assert cfg.kl in space.kl and cfg.gamma in space.gamma and cfg.drafter in space.drafter
@@ -197,8 +213,8 @@ def check_config(cfg: DecodeConfig, trial: optuna.trial.FrozenTrial, space, num_
     assert DecodeConfig.from_dict(trial.user_attrs["config"]) == cfg
     params = trial.params
     if params.get("escalate_all"):
-        assert cfg.tau_escalate == 0.0 and cfg.skip.is_empty
-        assert "tau_escalate" not in params and "kl" not in params
+        assert cfg.tau_escalate == 0.0 and cfg.skip.is_empty and not cfg.recheck
+        assert "tau_escalate" not in params and "kl" not in params and "recheck" not in params
     else:
         assert space.tau_escalate.low <= cfg.tau_escalate <= space.tau_escalate.high
         assert cfg.kl == params["kl"]
@@ -206,16 +222,31 @@ def check_config(cfg: DecodeConfig, trial: optuna.trial.FrozenTrial, space, num_
         n = len(eligible)
         assert len(cfg.draft_skip.attn) == round(params["self_skip_frac"] * n)
         assert cfg.draft_skip.attn == cfg.draft_skip.mlp and cfg.draft_skip.attn <= eligible
+    elif cfg.drafter == "model" and space.draft_model_skip_fraction is not None and draft_layers is not None:
+        n = draft_layers - space.skip.protect_first - space.skip.protect_last
+        assert len(cfg.draft_skip.attn) == round(params["draft_model_skip_frac"] * n)
+        assert cfg.draft_skip.attn == cfg.draft_skip.mlp
+        assert cfg.draft_skip.attn <= set(
+            range(space.skip.protect_first, draft_layers - space.skip.protect_last)
+        )
+        DecodeConfig.validate(cfg, num_layers, draft_layers)
     else:
         assert cfg.draft_skip.is_empty
 
 
-def run_study(space, num_layers: int, drafters: list[str], n_trials: int = 50, seed: int = 0):
+def run_study(
+    space,
+    num_layers: int,
+    drafters: list[str],
+    n_trials: int = 50,
+    seed: int = 0,
+    draft_layers: int | None = None,
+):
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
     configs: list[DecodeConfig] = []
 
     def objective(trial: optuna.Trial) -> float:
-        configs.append(suggest(trial, space, num_layers, drafters))
+        configs.append(suggest(trial, space, num_layers, drafters, draft_layers))
         return 0.0
 
     study.optimize(objective, n_trials=n_trials)
@@ -310,6 +341,10 @@ def test_enqueue_known_points_end_to_end(
         layers = evenly_spaced_skip(12, round(0.45 * 10), 1, 1) if drafter == "self" else []
         return SkipSet.of(layers, layers)
 
+    def confidence(drafter: str) -> float:  # the mid of the space's range; prompt lookup has none
+        c = space.draft_confidence
+        return 0.0 if drafter == "lookup" else c.mid() if isinstance(c, FloatRange) else c[0]
+
     drafter = plain_drafters[0]
     assert no_skip == DecodeConfig(
         mode="viasd",
@@ -319,9 +354,18 @@ def test_enqueue_known_points_end_to_end(
         tau_accept=math.sqrt(0.001 * 1.0) * math.sqrt(0.05 * 20.0),  # geometric mids
         tau_escalate=math.sqrt(0.05 * 20.0),
         kl=space.kl[0],
+        recheck=space.recheck[0],
+        draft_confidence=confidence(drafter),
     )
     assert plains == [
-        DecodeConfig(mode="viasd", gamma=gamma, drafter=d, draft_skip=draft_skip(d), kl=space.kl[0])
+        DecodeConfig(
+            mode="viasd",
+            gamma=gamma,
+            drafter=d,
+            draft_skip=draft_skip(d),
+            kl=space.kl[0],
+            draft_confidence=confidence(d),
+        )
         for d in plain_drafters
     ]
     escalate_all = [t.params.get("escalate_all", False) for t in study.trials[:n_known]]
@@ -375,3 +419,92 @@ def test_space_signature() -> None:
     assert sig != space_signature(replace(space, gamma=(3, 4)), 30)
     assert sig != space_signature(replace(space, skip=replace(space.skip, protect_last=2)), 30)
     assert sig != space_signature(load_space("smoke"), 30)
+
+
+# ---------------------------------------------------------------- recheck, draft_confidence, draft-model skip set
+
+
+def test_shipped_spaces_search_recheck_and_confidence() -> None:
+    default = load_space("default")
+    assert default.recheck == (False, True)
+    assert default.draft_confidence == FloatRange(0.0, 0.6)
+    assert default.draft_model_skip_fraction == FloatRange(0.0, 0.3)
+    assert load_space("model-draft").draft_model_skip_fraction == FloatRange(0.0, 0.3)
+    smoke = load_space("smoke")  # the optional keys left out: every trial gets the defaults, as before
+    assert (smoke.recheck, smoke.draft_confidence, smoke.draft_model_skip_fraction) == (
+        (False,),
+        (0.0,),
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [({"low": 0.1, "high": 0.5}, FloatRange(0.1, 0.5)), ([0.0, 0.4], (0.0, 0.4)), (0, (0.0,)), (0.4, (0.4,))],
+)
+def test_draft_confidence_forms(tmp_path: Path, value: object, expected: object) -> None:
+    space = load_space(write(tmp_path, edited(draft_confidence=value)))
+    assert space.draft_confidence == expected
+    study, configs = run_study(space, 8, ALL, n_trials=30)
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        check_config(cfg, trial, space, 8)
+    model_drafted = [c.draft_confidence for c in configs if c.drafter != "lookup"]
+    searched = isinstance(expected, FloatRange) or len(expected) > 1
+    assert model_drafted and (len(set(model_drafted)) > 1) == searched  # one value: not a param at all
+    assert ("draft_confidence" in study.trials[0].params) == (searched and configs[0].drafter != "lookup")
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"recheck": [True, "yes"]}, r"\$\.recheck\[1\]: 'yes' is not of type 'boolean'"),
+        ({"recheck": []}, r"\$\.recheck: \[\] should be non-empty"),
+        ({"draft_confidence": 1.0}, r"\$\.draft_confidence"),
+        ({"draft_confidence": {"low": 0.5, "high": 0.2}}, r"\$\.draft_confidence: low 0.5 > high 0.2"),
+        ({"draft_confidence": [-0.1]}, r"\$\.draft_confidence"),
+        (
+            {"draft_model": {"skip_fraction": {"low": 0.0, "high": 1.5}}},
+            r"\$\.draft_model\.skip_fraction\.high",
+        ),
+        ({"draft_model": {}}, r"missing key 'skip_fraction'"),
+    ],
+)
+def test_new_keys_bad_values(tmp_path: Path, changes: dict, expected: str) -> None:
+    with pytest.raises(UserError, match=expected) as err:
+        load_space(write(tmp_path, edited(**changes)))
+    assert "\n" not in str(err.value)
+
+
+def test_recheck_and_draft_model_skip_suggested() -> None:
+    space = load_space("default")
+    study, configs = run_study(space, 8, ALL, n_trials=60, draft_layers=6)
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        check_config(cfg, trial, space, 8, draft_layers=6)
+    assert {c.recheck for c in configs} == {False, True}
+    model = [c for c in configs if c.drafter == "model"]
+    assert any(not c.draft_skip.is_empty for c in model) and any(c.draft_skip.is_empty for c in model)
+    for c in model:  # protected ends of the 6-layer draft model stay
+        assert not ({0, 5} & (c.draft_skip.attn | c.draft_skip.mlp))
+    # Without a draft model's layer count (no draft model in the run) no draft-model skip set is applied.
+    _, configs = run_study(space, 8, ALL, n_trials=20)
+    assert all(c.draft_skip.is_empty for c in configs if c.drafter == "model")
+
+
+def test_known_points_take_new_keys() -> None:
+    space = load_space("default")
+    study = optuna.create_study()
+    enqueue_known_points(study, space, 8, ALL)
+    configs = [suggest(study.ask(), space, 8, ALL, draft_layers=6) for _ in range(4)]
+    no_skip, *plains = configs
+    assert not no_skip.recheck and no_skip.draft_confidence == pytest.approx(0.3)
+    assert [c.draft_confidence for c in plains] == [pytest.approx(0.3), pytest.approx(0.3), 0.0]
+    assert all(c.draft_skip.is_empty for c in configs if c.drafter == "model")  # the draft model as it is
+
+
+def test_signature_ignores_optional_keys_at_their_defaults(tmp_path: Path) -> None:
+    """A space written before the optional keys existed keeps its signature, so its studies still resume."""
+    base = edited(recheck=None, draft_confidence=None, draft_model=None)
+    plain = load_space(write(tmp_path, base, "a.yaml"))
+    explicit = load_space(write(tmp_path, base | {"recheck": [False], "draft_confidence": 0}, "b.yaml"))
+    assert space_signature(plain, 8) == space_signature(explicit, 8)
+    assert space_signature(plain, 8) != space_signature(load_space("default"), 8)

@@ -285,13 +285,20 @@ def run_search(s: SearchSettings) -> dict:
     spaces.enqueue_known_points(study, space, n_layers, drafters)
 
     refs = _references(target.model, target.tokenizer, calib_ids, s.max_new_tokens, s.progress)
-    cache = replay.ReplayCache(target.model, refs, draft.model if draft else None)
+    cache = replay.ReplayCache(
+        target.model,
+        refs,
+        draft.model if draft else None,
+        max_new_tokens=s.max_new_tokens,
+        eos=models.eos_ids(target.model, target.tokenizer),
+        gamma_max=max(space.gamma),
+    )
     cost = costmodel.fit(target.model, draft.model if draft else None, refs[0].prompt_ids)
     ar_model_time = sum(len(r.output) for r in refs) * cost.target_time(1, None)
     seed_skip_sets(study, target.model, refs, cost, space, n_layers, s.progress)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
-        cfg = spaces.suggest(trial, space, n_layers, drafters)
+        cfg = spaces.suggest(trial, space, n_layers, drafters, num_layers(draft.model) if draft else None)
         est = replay.simulate(cache, cfg)
         modelled = ar_model_time / max(cost.price(est.calls, cfg.skip, cfg.draft_skip, cfg.drafter), 1e-9)
         trial.set_user_attr(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ def _names_schema(choices: tuple[str, ...]) -> dict[str, Any]:
 
 
 _FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
+_CONFIDENCE = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}  # DecodeConfig.draft_confidence's range
 _LOOKUP_MIN = {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX}
 
 SCHEMA: dict[str, Any] = {
@@ -91,6 +92,25 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "required": ["skip_fraction"],
             "properties": {"skip_fraction": _range_schema(maximum=1)},
+        },
+        "draft_model": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["skip_fraction"],
+            "properties": {"skip_fraction": _range_schema(maximum=1)},
+        },
+        "recheck": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"type": "boolean"}},
+        "draft_confidence": {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "required": ["low", "high"],
+                    "additionalProperties": False,
+                    "properties": {"low": _CONFIDENCE, "high": _CONFIDENCE},
+                },
+                {"type": "array", "minItems": 1, "uniqueItems": True, "items": _CONFIDENCE},
+                _CONFIDENCE,
+            ]
         },
         "lookup_min": {
             "type": "object",
@@ -152,6 +172,10 @@ class SearchSpace:
     drafter: tuple[str, ...]
     self_draft_skip_fraction: FloatRange | None
     source: str
+    # Optional keys (absent: the value every trial got before they existed).
+    recheck: tuple[bool, ...] = (False,)
+    draft_confidence: FloatRange | tuple[float, ...] = (0.0,)  # a range, or choices (0: off)
+    draft_model_skip_fraction: FloatRange | None = None  # a skip set for the separate draft model
     # The hybrid drafters' lookup_min as an integer range (low, high); None: 1, not searched.
     lookup_min: tuple[int, int] | None = None
 
@@ -277,7 +301,18 @@ def _parse(text: str, source: str) -> SearchSpace:
                 f"search space {source}: $.skip.budget: min {budget.low} > max {budget.high}; "
                 "swap or fix them"
             )
-    self_draft = data.get("self_draft")
+    self_draft, draft_model = data.get("self_draft"), data.get("draft_model")
+    confidence: FloatRange | tuple[float, ...] = (0.0,)
+    if isinstance(data.get("draft_confidence"), dict):
+        confidence = frange(data["draft_confidence"], "$.draft_confidence")
+    elif "draft_confidence" in data:
+        raw = data["draft_confidence"]
+        confidence = tuple(float(c) for c in (raw if isinstance(raw, list) else [raw]))
+        if not all(math.isfinite(c) for c in confidence):
+            raise UserError(
+                f"search space {source}: $.draft_confidence: every value must be a finite number in [0, 1); "
+                "write e.g. [0.0, 0.4] or {low: 0.0, high: 0.6}"
+            )
     lookup_min = None
     if "lookup_min" in data:
         lookup_min = (int(data["lookup_min"]["low"]), int(data["lookup_min"]["high"]))
@@ -303,6 +338,11 @@ def _parse(text: str, source: str) -> SearchSpace:
             frange(self_draft["skip_fraction"], "$.self_draft.skip_fraction") if self_draft else None
         ),
         source=source,
+        recheck=tuple(data.get("recheck", [False])),
+        draft_confidence=confidence,
+        draft_model_skip_fraction=(
+            frange(draft_model["skip_fraction"], "$.draft_model.skip_fraction") if draft_model else None
+        ),
         lookup_min=lookup_min,
     )
 
@@ -376,11 +416,34 @@ def _suggest_skip(trial: optuna.trial.BaseTrial, space: SearchSpace, layers: ran
     return ranked[: round(frac * len(slots))]
 
 
+def _draft_model_skip(space: SearchSpace, frac: float, draft_layers: int) -> SkipSet:
+    """Whole layers of the separate draft model, evenly spaced, with the slim skip set's protected ends."""
+    first, last = space.skip.protect_first, space.skip.protect_last
+    eligible = max(0, draft_layers - first - last)
+    skipped = evenly_spaced_skip(draft_layers, round(frac * eligible), first, last)
+    return SkipSet.of(skipped, skipped)
+
+
+def _suggest_confidence(trial: optuna.trial.BaseTrial, space: SearchSpace) -> float:
+    choices = space.draft_confidence
+    if isinstance(choices, FloatRange):
+        return choices.suggest(trial, "draft_confidence")
+    return choices[0] if len(choices) == 1 else trial.suggest_categorical("draft_confidence", list(choices))
+
+
 def suggest(
-    trial: optuna.trial.BaseTrial, space: SearchSpace, num_layers: int, drafters: list[str]
+    trial: optuna.trial.BaseTrial,
+    space: SearchSpace,
+    num_layers: int,
+    drafters: list[str],
+    draft_layers: int | None = None,
 ) -> DecodeConfig:
     """Sample one VIA-SD configuration; also stored as user attr "config" (:meth:`DecodeConfig.to_dict`) so
-    dashboards and exports need not re-decode. ``tau_escalate == 0`` is plain SD."""
+    dashboards and exports need not re-decode. ``tau_escalate == 0`` is plain SD. ``draft_layers``: the separate
+    draft model's layer count, for the space's ``draft_model`` skip set (``None``: no draft model, none applied).
+
+    A param is only suggested where it has an effect: ``draft_confidence`` for model drafters (prompt lookup has
+    no confidence), ``recheck`` for VIA-SD with a slim tier (plain SD is lossless already)."""
     choices = _available(space, drafters)
     layers = _eligible_layers(space, num_layers)
     drafter = trial.suggest_categorical("drafter", choices)
@@ -396,16 +459,35 @@ def suggest(
             num_layers, round(frac * len(layers)), space.skip.protect_first, space.skip.protect_last
         )
         draft_skip = SkipSet.of(skipped_layers, skipped_layers)
+    if (
+        model_drafter(drafter) == "model"
+        and space.draft_model_skip_fraction is not None
+        and draft_layers is not None
+    ):
+        frac = space.draft_model_skip_fraction.suggest(trial, "draft_model_skip_frac")
+        draft_skip = _draft_model_skip(space, frac, draft_layers)
+    confidence = 0.0 if drafter == "lookup" else _suggest_confidence(trial, space)
     if _enqueued_escalate_all(trial):
         # Plain SD: no slim verifier, so kl is unused (kept as the first listed for a well-formed config).
         cfg = DecodeConfig(
-            mode="viasd", gamma=gamma, drafter=drafter, draft_skip=draft_skip, kl=space.kl[0], lookup_min=lookup_min
+            mode="viasd",
+            gamma=gamma,
+            drafter=drafter,
+            draft_skip=draft_skip,
+            kl=space.kl[0],
+            draft_confidence=confidence,
+            lookup_min=lookup_min,
         )
     else:
         kl = trial.suggest_categorical("kl", list(space.kl))
         tau_escalate = space.tau_escalate.suggest(trial, "tau_escalate")
         ratio = space.tau_accept_ratio.suggest(trial, "tau_accept_ratio")
         skipped = _suggest_skip(trial, space, layers)
+        recheck = (
+            space.recheck[0]
+            if len(space.recheck) == 1
+            else trial.suggest_categorical("recheck", list(space.recheck))
+        )
         cfg = DecodeConfig(
             mode="viasd",
             gamma=gamma,
@@ -415,6 +497,8 @@ def suggest(
             tau_accept=ratio * tau_escalate,
             tau_escalate=tau_escalate,
             kl=kl,
+            recheck=recheck,
+            draft_confidence=confidence,
             lookup_min=lookup_min,
         )
     trial.set_user_attr("config", cfg.to_dict())
@@ -448,6 +532,13 @@ def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> li
         if model_drafter(drafter) == "self":
             assert space.self_draft_skip_fraction is not None
             params["self_skip_frac"] = space.self_draft_skip_fraction.mid()
+        if model_drafter(drafter) == "model" and space.draft_model_skip_fraction is not None:
+            params["draft_model_skip_frac"] = space.draft_model_skip_fraction.low  # the draft model as it is
+        if drafter != "lookup":
+            if isinstance(space.draft_confidence, FloatRange):
+                params["draft_confidence"] = space.draft_confidence.mid()
+            elif len(space.draft_confidence) > 1:
+                params["draft_confidence"] = space.draft_confidence[0]
         return params
 
     if space.skip.encoding == "per_sublayer":
@@ -462,6 +553,7 @@ def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> li
         "tau_escalate": space.tau_escalate.mid(),
         "tau_accept_ratio": space.tau_accept_ratio.mid(),
         **skip,
+        **({"recheck": space.recheck[0]} if len(space.recheck) > 1 else {}),
     }
     return [no_skip] + [{**draft(d), "escalate_all": True} for d in available]
 
@@ -487,7 +579,9 @@ def space_signature(space: SearchSpace, num_layers: int) -> str:
     so a study can refuse to continue under a different space."""
     content = asdict(space)
     del content["source"]
-    if content["lookup_min"] is None:  # a space without the key keeps the signature it had before the key existed
-        del content["lookup_min"]
+    # An optional key left at its default is left out, so a study made before the key existed still resumes.
+    for f in fields(SearchSpace):
+        if f.default is not MISSING and content[f.name] == f.default:
+            del content[f.name]
     payload = {"space": content, "num_layers": num_layers, "decoding_version": DECODING_VERSION}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

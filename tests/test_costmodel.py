@@ -1,0 +1,121 @@
+"""The latency cost model orders forwards as a direct timing does: block sizes, and skip sets.
+
+A model with a large hidden size makes the differences large (a 32-token block against one token; skipping
+none against most sub-layers). Both the fit and the direct timing read the thread's CPU time on one torch
+thread (``time.thread_time``): the work itself, which other processes on a shared host (this one runs a
+benchmark beside the tests) cannot inflate, where wall time measured their scheduling. The direct timing also
+alternates the two forwards it compares and takes medians after a warm-up."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from viasd_tune.decoding.common import CachedLM
+from viasd_tune.routing import SkipSet, install_skipping
+from viasd_tune.search import costmodel
+
+LAYERS = 6
+CLOCK = time.thread_time
+
+
+@pytest.fixture(scope="module")
+def model(one_thread):
+    m = tiny_model("llama", seed=0, layers=LAYERS, hidden=512)
+    install_skipping(m)
+    return m
+
+
+@pytest.fixture(scope="module")
+def context() -> torch.Tensor:
+    return torch.arange(3, 67) % 90 + 3  # 64 tokens
+
+
+@pytest.fixture(scope="module")
+def fitted(model, context) -> costmodel.CostModel:
+    return costmodel.fit(model, None, context, reps=5, clock=CLOCK)
+
+
+@torch.inference_mode()
+def forward_s(model, context: torch.Tensor, k: int, skip: SkipSet | None) -> float:
+    """One k-token forward under ``skip`` over a cached context (what the cost model prices)."""
+    lm = CachedLM(model)
+    lm.forward(context)
+    ids = torch.cat([context, context[:k]])
+    start = CLOCK()
+    if skip is None:
+        lm.forward(ids)
+    else:
+        lm.speculate(ids, skip, tier="slim")
+    return CLOCK() - start
+
+
+def timed(model, context, a: tuple[int, SkipSet | None], b: tuple[int, SkipSet | None], reps: int = 9):
+    """Median seconds of forwards a and b, alternated after a warm-up of each."""
+    for k, skip in (a, b):
+        forward_s(model, context, k, skip)
+    ta, tb = [], []
+    for _ in range(reps):
+        ta.append(forward_s(model, context, *a))
+        tb.append(forward_s(model, context, *b))
+    return statistics.median(ta), statistics.median(tb)
+
+
+MOST = SkipSet.of(range(1, LAYERS - 1), range(1, LAYERS - 1))  # 8 of 12 sub-layers
+
+
+@pytest.mark.parametrize(
+    ("small", "large"),
+    [
+        ((1, None), (32, None)),  # block size, full pass
+        ((1, MOST), (32, MOST)),  # block size, slim pass
+        ((16, MOST), (16, None)),  # skip set, same block
+        ((4, SkipSet.of(range(1, LAYERS - 1), [])), (4, None)),  # attention sub-layers only
+    ],
+)
+def test_cost_model_orders_forwards_as_timing_does(model, context, fitted, small, large) -> None:
+    measured_small, measured_large = timed(model, context, small, large)
+    predicted_small, predicted_large = fitted.target_time(*small), fitted.target_time(*large)
+    assert measured_small < measured_large  # the pairs are chosen so that timing itself is unambiguous
+    assert predicted_small < predicted_large, (
+        predicted_small,
+        predicted_large,
+        measured_small,
+        measured_large,
+    )
+
+
+def test_cost_model_ranks_a_ladder_of_skip_sets(model, context, fitted) -> None:
+    """Skipping more never predicts slower, as timing says; the full pass is the slowest."""
+    ladder = [SkipSet.of(range(1, 1 + j), range(1, 1 + j)) for j in range(LAYERS - 1)]
+    predicted = [fitted.target_time(16, s) for s in ladder]
+    assert predicted == sorted(predicted, reverse=True)
+    full, most = timed(model, context, (16, ladder[0]), (16, ladder[-1]))
+    assert most < full and predicted[-1] < predicted[0]
+
+
+def test_price_tiers(fitted) -> None:
+    skip = SkipSet.of([1, 2], [1])
+    calls = [("prefill", 20), ("draft", 1), ("slim", 5), ("full", 6)]
+    expected = (
+        fitted.target_time(20, None)
+        + fitted.target_time(1, skip)
+        + fitted.target_time(5, SkipSet.of([3], []))
+        + fitted.target_time(6, None)
+    )
+    assert fitted.price(calls, SkipSet.of([3], []), skip, "self") == pytest.approx(expected)
+
+
+def test_draft_model_skip_set_is_cheaper(model, context) -> None:
+    draft = tiny_model("llama", seed=1, layers=4, hidden=64)
+    install_skipping(draft)
+    cost = costmodel.fit(model, draft, context, reps=1, clock=CLOCK)
+    assert cost.draft_layers == 4
+    whole, light = cost.draft_time(8), cost.draft_time(8, SkipSet.of([1, 2], [1, 2]))
+    assert light == pytest.approx(whole * 0.5)
+    calls = [("draft", 8)]
+    assert cost.price(calls, SkipSet(), SkipSet.of([1, 2], [1, 2]), "model") == pytest.approx(light)
