@@ -505,3 +505,64 @@ def test_recheck_method_needs_a_profile():
     assert names == ["hf", "viasd+recheck:a", "viasd:b"]
     with pytest.raises(viasd_tune.errors.UserError, match="unknown method"):
         bench_methods.plan_methods(["viasd+recheck:c"], True, ["a"])
+
+
+def test_routed_profile_beside_its_configurations(tiny_dirs, calibration_ids, tmp_path):
+    """A routed profile runs as ``viasd:<name>`` with each configuration beside it as ``viasd:<name>#<conf>``;
+    its rule reads each prompt's category, the records say which configuration served, and every method here
+    is lossless, so each one's output is hf's in fp32."""
+    from viasd_tune.config import DecodeConfig
+
+    data = tiny_profile(tiny_dirs, calibration_ids)
+    confs = [
+        ("plain", DecodeConfig(mode="ar", drafter="lookup")),
+        ("lookup", DecodeConfig(mode="sd", drafter="lookup", gamma=4)),
+        ("draft", DecodeConfig(mode="sd", drafter="model", gamma=3)),
+    ]
+    rule = {
+        "nodes": [
+            {"feature": "category", "in": ["translation"], "left": 2, "right": 1},
+            {"config": 1},
+            {"feature": "category", "in": ["math_reasoning"], "left": 3, "right": 4},
+            {"config": 0},
+            {"config": 2},
+        ]
+    }
+    data["routes"] = {"configurations": [{"name": n, **c.to_profile()} for n, c in confs], "rule": rule}
+    profile = tmp_path / "routedprof" / "profile.json"
+    write_profile(profile, data)
+    out = tmp_path / "out"
+    argv = [
+        "bench",
+        "--model",
+        tiny_dirs[0],
+        "--draft",
+        tiny_dirs[1],
+        "--profile",
+        str(profile),
+        "--out",
+        str(out),
+    ]
+    argv += [
+        "--data",
+        "builtin",
+        "--categories",
+        "translation,math_reasoning",
+        "--prompts",
+        "4",
+        "--methods",
+        "viasd",
+    ]
+    assert main(argv + FAST) == 0
+    result = json.loads((out / "bench.json").read_text())
+    routed = ["viasd:routedprof", *(f"viasd:routedprof#{n}" for n, _ in confs)]
+    assert result["meta"]["methods"] == ["hf", *routed]
+    assert result["methods"]["viasd:routedprof"]["settings"]["rule"] == rule
+    category = {p["id"]: p["category"] for p in result["prompts"]}
+    want = {"translation": "lookup", "math_reasoning": "draft"}
+    runs = [r for r in result["records"] if r["method"] == "viasd:routedprof"]
+    assert sorted({want[category[r["prompt"]]] for r in runs}) == ["draft", "lookup"]
+    assert all(r["stats"]["routed_to"] == want[category[r["prompt"]]] for r in runs)
+    assert all("routed_to" not in r["stats"] for r in result["records"] if "#" in r["method"])
+    for m in routed:
+        assert result["summary"][m]["exact_match"] == 1.0, m

@@ -289,7 +289,10 @@ def mutated_profiles(draw, profile):
 @settings(FUZZ, max_examples=100)
 @given(data=st.data())
 def test_fuzz_profile(valid_profile, stubbed, data):
-    profile = data.draw(mutated_profiles(valid_profile))
+    _served_or_refused(data.draw(mutated_profiles(valid_profile)))
+
+
+def _served_or_refused(profile) -> None:
     try:
         text = json.dumps(profile)
     except (RecursionError, ValueError):
@@ -301,6 +304,40 @@ def test_fuzz_profile(valid_profile, stubbed, data):
         runtime.load(profile, device="cpu")
     except UserError as e:
         assert "\n" not in str(e)
+
+
+@pytest.fixture(scope="module")
+def valid_routed_profile(valid_profile):
+    """The valid profile with routes: plain decoding, prompt lookup and VIA-SD, picked by length and category."""
+    from viasd_tune.config import DecodeConfig
+    from viasd_tune.routing import SkipSet
+
+    profile = copy.deepcopy(valid_profile)
+    confs = {
+        "ar": DecodeConfig(mode="ar", drafter="lookup"),
+        "lookup": DecodeConfig(mode="sd", drafter="lookup", gamma=3),
+        "viasd": DecodeConfig(mode="viasd", drafter="lookup", skip=SkipSet.of([1], []), tau_escalate=0.5),
+    }
+    nodes = [
+        {"feature": "prompt_tokens", "threshold": 1.5, "left": 1, "right": 2},
+        {"config": 0},
+        {"feature": "category", "in": ["qa"], "left": 3, "right": 4},
+        {"feature": "copy_share", "threshold": 0.25, "left": 5, "right": 6},
+        {"config": 2},
+        {"config": 0},
+        {"config": 1},
+    ]
+    configurations = [{"name": n, **c.to_profile()} for n, c in confs.items()]
+    profile["routes"] = {"configurations": configurations, "rule": {"nodes": nodes}}
+    runtime.load(profile)  # valid as it stands
+    return profile
+
+
+@settings(FUZZ, max_examples=60)
+@given(data=st.data())
+def test_fuzz_routed_profile(valid_routed_profile, stubbed, data):
+    """Mutations anywhere in a routed profile, its rule and configurations included: served, or refused in one line."""
+    _served_or_refused(data.draw(mutated_profiles(valid_routed_profile)))
 
 
 # ------------------------------------------------------------------ search spaces

@@ -392,6 +392,27 @@ def test_a_pick_slower_than_plain_decoding_is_exported_as_plain_decoding(searche
     assert summary["metrics"]["slower_than_ar"] is True and summary["config"]["mode"] != "ar"
 
 
+def test_routed_export_from_a_search(searched, tiny_dirs, tmp_path, capsys):
+    """Every measured trial keeps per-prompt times, the study the prompts' features; ``export --pick routed``
+    writes a routed profile that serves."""
+    out, _ = searched
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
+    n = len(study.user_attrs["calibration"]["prompt_ids"])
+    assert len(study.user_attrs["calibration"]["features"]) == n
+    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+    assert measured and all(len(t.user_attrs["prompt_s_per_token"]) == n for t in measured)
+    assert all(len(t.user_attrs["ar_prompt_s_per_token"]) == n for t in measured)
+    path = tmp_path / "routed.json"
+    argv = ["export", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", "tiny", "--pick", "routed"]
+    assert main([*argv, "--out", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["rule"]["nodes"]
+    profile = load_profile(path)
+    target, draft = (models.load(d, "float32", "cpu") for d in tiny_dirs)
+    decoder = runtime.load(profile, model=target, draft=draft, device="cpu")
+    names = [c["name"] for c in profile["routes"]["configurations"]]
+    assert decoder.generate("def f(x):", max_new_tokens=4).stats.routed_to in names
+
+
 def test_the_study_starts_from_importance_seeds(searched):
     """The sub-layer scores are kept in the study, and the seed skip sets built from them were the first trials
     after the reference points, with the space's params decoding to exactly those sets."""

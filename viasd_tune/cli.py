@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument(
+        "--category",
+        help="the prompt's task category (e.g. qa), read by a routed profile's rule; unused otherwise",
+    )
+    g.add_argument(
         "--json", action="store_true", help="print one JSON object: token_ids, text, stats, config"
     )
     g.set_defaults(func=cmd_generate)
@@ -199,13 +203,11 @@ def _check_no_routing_flags(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    from . import models
+    from . import models, runtime
     from .decoding.decoder import Decoder
 
     check_generation(args.max_new_tokens, args.temperature, args.top_p, args.seed)  # before any model loads
     if args.profile:
-        from . import runtime
-
         _check_no_routing_flags(args)
         decoder = runtime.load(
             args.profile,
@@ -223,6 +225,7 @@ def cmd_generate(args) -> int:
             draft = models.load(args.draft, args.dtype, args.device, args.trust_remote_code)
             models.check_same_tokenizer(target, draft)
         decoder = Decoder(target.model, target.tokenizer, config, draft=draft.model if draft else None)
+    routed = {"category": args.category} if isinstance(decoder, runtime.RoutedDecoder) else {}
     result = decoder.generate(
         args.prompt,
         max_new_tokens=args.max_new_tokens,
@@ -230,11 +233,13 @@ def cmd_generate(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         chat="on" if args.chat else "off",
+        **routed,
     )
     stats = result.stats.to_dict()
     if args.json:
         out = {"token_ids": result.token_ids, "text": result.text, "stats": stats}
-        print(json.dumps({**out, "config": decoder.config.to_dict()}))
+        config = decoder.config_of(result) if routed else decoder.config
+        print(json.dumps({**out, "config": config.to_dict()}))
     else:
         print(result.text)
         print(

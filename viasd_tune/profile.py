@@ -21,9 +21,10 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import best_match
 
-from viasd_tune.config import model_drafter
+from viasd_tune.config import DecodeConfig, model_drafter
 from viasd_tune.errors import UserError
 from viasd_tune.fsutil import atomic_write_text, check_output_file
+from viasd_tune.rule import validate_rule
 
 SCHEMA_VERSION = 1
 _SCHEMA_FILE = "profile.schema.json"
@@ -142,9 +143,58 @@ def _check_semantics(profile: dict[str, Any], origin: str) -> None:
                     f"layer {layers[-1]} is out of range; the {role} has {num_layers} layers (0..{num_layers - 1})",
                 )
 
+    if "routes" in profile:
+        _check_routes(profile, origin)
+
     storage = profile["provenance"]["storage"]
     if redact_url(storage) != storage:
         raise _fail(origin, "$.provenance.storage", "contains a password; store redact_url(storage) instead")
+
+
+def decoding_keys() -> frozenset[str]:
+    """The profile fields that make up one decoding configuration (what each of a routed profile's
+    configurations holds besides its name)."""
+    return frozenset(DecodeConfig(mode="ar", drafter="lookup").to_profile())
+
+
+def configuration_profile(profile: dict[str, Any], k: int) -> dict[str, Any]:
+    """Configuration ``k`` of a routed profile as a single-configuration profile: the profile's models, dtype
+    and evidence with that configuration's decoding fields (the draft model's name/fingerprint stay the
+    profile's). Validation and serving both read a configuration through this, so it is checked exactly as a
+    single profile is."""
+    conf = profile["routes"]["configurations"][k]
+    keys = decoding_keys()
+    base = {key: v for key, v in profile.items() if key not in keys and key != "routes"}
+    draft = {
+        "name": profile["draft"]["name"],
+        "fingerprint": profile["draft"]["fingerprint"],
+        **conf["draft"],
+    }
+    return {**base, **{key: v for key, v in conf.items() if key != "name"}, "draft": draft}
+
+
+def _check_routes(profile: dict[str, Any], origin: str) -> None:
+    configurations = profile["routes"]["configurations"]
+    allowed = decoding_keys() | {"name"}
+    names = [c["name"] for c in configurations]
+    for k, conf in enumerate(configurations):
+        path = f"$.routes.configurations[{k}]"
+        extra = sorted(set(conf) - allowed)
+        if extra:
+            raise _fail(
+                origin,
+                path,
+                f"unknown field(s) {', '.join(extra)}; a configuration holds {', '.join(sorted(allowed))}",
+            )
+        if names.count(conf["name"]) > 1:
+            raise _fail(
+                origin, f"{path}.name", f"{conf['name']!r} names two configurations; give each its own name"
+            )
+        validate_profile(configuration_profile(profile, k), origin=f"{_where(origin)}{path}".rstrip(": "))
+    try:
+        validate_rule(profile["routes"]["rule"], len(configurations))
+    except UserError as e:
+        raise UserError(f"{_where(origin)}{e}") from None
 
 
 def _first_non_finite(value: Any, path: str) -> str | None:

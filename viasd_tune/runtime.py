@@ -1,5 +1,6 @@
 """Serving a tuned profile: ``load(profile)`` rebuilds the decoder the search chose and checks that the
-models are the ones the profile was tuned on."""
+models are the ones the profile was tuned on. A routed profile gives a :class:`RoutedDecoder`: one decoder per
+configuration on the same loaded models, and the profile's rule picks one per request."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import warnings
 
 from . import models
 from .config import DecodeConfig
+from .decoding.common import Result
 from .decoding.decoder import Decoder
 from .errors import UserError
-from .profile import load_profile
+from .profile import configuration_profile, load_profile
+from .rule import apply_rule, prompt_features
 
 log = logging.getLogger(__name__)
 # Fields that identify the weights; the source path may legitimately differ between machines.
@@ -36,16 +39,53 @@ def check_fingerprint(role: str, expected: dict, actual: dict, strict: bool) -> 
     warnings.warn(msg, stacklevel=3)
 
 
+class RoutedDecoder:
+    """The decoders of a routed profile's configurations and the rule that picks one per request.
+
+    They share the target (and draft) model: a configuration's skip sets are passed to every forward, never
+    stored on the model, and ``install_skipping`` is idempotent, so several decoders on one model are safe."""
+
+    def __init__(self, decoders: list[Decoder], names: list[str], rule: dict):
+        self.decoders, self.names, self.rule = decoders, names, rule
+        self.tokenizer = decoders[0].tokenizer
+
+    def route(self, ids, category: str | None = None) -> int:
+        """Index of the configuration that serves a prompt (token ids) of this category."""
+        return apply_rule(self.rule, prompt_features(ids, category))
+
+    def generate(self, prompt, *args, category: str | None = None, **kwargs) -> Result:
+        """:meth:`Decoder.generate` on the configuration the rule picks; ``category`` (e.g. ``qa``) is the
+        caller's task category where it knows one. ``stats.routed_to`` names the configuration."""
+        ids = self.decoders[0].prompt_ids(
+            prompt, kwargs.pop("chat", "auto")
+        )  # host ids: features need no sync
+        k = self.route(ids, category)
+        result = self.decoders[k].generate(ids, *args, **kwargs)
+        result.stats.routed_to = self.names[k]
+        return result
+
+    def config_of(self, result: Result) -> DecodeConfig:
+        """The configuration that produced ``result``."""
+        return self.decoders[self.names.index(result.stats.routed_to)].config
+
+
 def load(
     profile, model=None, draft=None, device: str | None = None, dtype: str | None = None, strict: bool = True
-) -> Decoder:
+) -> Decoder | RoutedDecoder:
     """Rebuild the tuned decoder. ``profile``: path or dict. ``model``/``draft``: a name/path to load instead
-    of the profile's, or an already loaded :class:`models.LoadedModel`."""
+    of the profile's, or an already loaded :class:`models.LoadedModel`. A routed profile (``routes``) gives a
+    :class:`RoutedDecoder` whose configurations share the models."""
     prof = load_profile(profile if isinstance(profile, dict) else os.fspath(profile))
-    config = DecodeConfig.from_profile(prof)
-    # Checked against the fingerprints' layer counts before any model loads (and by the decoder once they have).
-    draft_layers = prof["draft"]["fingerprint"]["num_layers"] if config.model_drafter == "model" else None
-    config.validate(prof["target"]["fingerprint"]["num_layers"], draft_layers)
+    if "routes" in prof:
+        singles = [configuration_profile(prof, k) for k in range(len(prof["routes"]["configurations"]))]
+    else:
+        singles = [prof]
+    configs = [DecodeConfig.from_profile(p) for p in singles]
+    uses_draft = any(c.model_drafter == "model" and c.mode != "ar" for c in configs)
+    for p, config in zip(singles, configs, strict=True):
+        # Checked against the fingerprints' layer counts before any model loads (and by the decoder once they have).
+        draft_layers = p["draft"]["fingerprint"]["num_layers"] if config.model_drafter == "model" else None
+        config.validate(p["target"]["fingerprint"]["num_layers"], draft_layers)
     dtype = dtype or prof["dtype"]
     device = device or ("cuda" if prof["device"] == "cuda" and models.torch.cuda.is_available() else "cpu")
 
@@ -60,7 +100,14 @@ def load(
 
     target = get(model, prof["target"], "target")
     draft_lm = None
-    if config.model_drafter == "model" and config.mode != "ar":
+    if uses_draft:
         draft_lm = get(draft, prof["draft"], "draft")
         models.check_same_tokenizer(target, draft_lm)
-    return Decoder(target.model, target.tokenizer, config, draft=draft_lm.model if draft_lm else None)
+    decoders = [
+        Decoder(target.model, target.tokenizer, c, draft=draft_lm.model if draft_lm else None)
+        for c in configs
+    ]
+    if "routes" not in prof:
+        return decoders[0]
+    names = [c["name"] for c in prof["routes"]["configurations"]]
+    return RoutedDecoder(decoders, names, prof["routes"]["rule"])

@@ -30,6 +30,7 @@ HF_ASSISTED = (*HF_ASSISTED_DEFAULT, *HF_ASSISTED_OPT_IN)
 FIXED_METHODS = (BASELINE, "ar", *HF_ASSISTED, "hf-lookup", "sd")
 VIASD_PREFIX = "viasd:"
 RECHECK_PREFIX = "viasd+recheck:"  # the same profile with recheck on: lossless VIA-SD beside the lossy one
+ROUTE_SEP = "#"  # viasd:<profile>#<configuration>: one configuration of a routed profile, served alone
 LOOKUP_NGRAM = 3  # our LookupDrafter's longest n-gram; hf-lookup gets the same
 DEFAULT_GAMMA = 5
 
@@ -41,6 +42,11 @@ class BenchProfile:
     name: str
     path: str
     data: dict
+
+    @property
+    def configurations(self) -> list[str]:
+        """A routed profile's configuration names (empty for a single-configuration profile)."""
+        return [c["name"] for c in self.data.get("routes", {}).get("configurations", [])]
 
 
 def profile_name(path: Path, taken: set[str]) -> str:
@@ -76,6 +82,7 @@ class Method:
     generate_kwargs: dict = field(default_factory=dict)
     assistant_config: Any = None  # GenerationConfig put on the draft for HF assisted generation
     settings: dict = field(default_factory=dict)
+    routed: bool = False  # a routed profile: its rule reads the prompt's category
 
     @property
     def ours(self) -> bool:
@@ -88,10 +95,19 @@ def is_viasd(name: str) -> bool:
 
 
 def plan_methods(
-    requested: list[str] | None, has_draft: bool, profile_names: list[str]
+    requested: list[str] | None,
+    has_draft: bool,
+    profile_names: list[str],
+    routes: dict[str, list[str]] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """Which methods run (``hf`` first) and which default ones are skipped, with the reason."""
-    viasd = [VIASD_PREFIX + n for n in profile_names]
+    """Which methods run (``hf`` first) and which default ones are skipped, with the reason. ``routes``: a routed
+    profile's configuration names, each benched beside the profile as ``viasd:<profile>#<configuration>``."""
+    routes = routes or {}
+    viasd = [
+        m
+        for n in profile_names
+        for m in [VIASD_PREFIX + n, *(f"{VIASD_PREFIX}{n}{ROUTE_SEP}{c}" for c in routes.get(n, []))]
+    ]
     recheck = [RECHECK_PREFIX + n for n in profile_names]
     skipped: dict[str, str] = {}
     if requested is None:
@@ -187,9 +203,16 @@ def build_methods(
     from .. import runtime
     from ..config import DecodeConfig
     from ..decoding.decoder import Decoder
+    from ..profile import configuration_profile
 
     tm, tok = target.model, target.tokenizer
     by_name = {VIASD_PREFIX + b.name: b for b in profiles} | {RECHECK_PREFIX + b.name: b for b in profiles}
+    single = {
+        f"{VIASD_PREFIX}{b.name}{ROUTE_SEP}{c}": (b, k)
+        for b in profiles
+        for k, c in enumerate(b.configurations)
+    }
+    by_name |= {m: b for m, (b, _) in single.items()}
     out: dict[str, Method] = {}
     for name in names:
         if name == BASELINE:
@@ -223,12 +246,38 @@ def build_methods(
             b = by_name[name]
             recheck = name.startswith(RECHECK_PREFIX)
             data = {**b.data, "recheck": True} if recheck else b.data
+            what = f"ours, VIA-SD profile {b.path}" + (", recheck on (lossless)" if recheck else "")
+            if name in single:
+                k = single[name][1]
+                data = configuration_profile(b.data, k)
+                what = f"ours, configuration {b.configurations[k]} of routed profile {b.path}, alone"
+            elif recheck and "routes" in data:
+                routes = data["routes"]
+                configurations = [{**c, "recheck": True} for c in routes["configurations"]]
+                data["routes"] = {**routes, "configurations": configurations}
             dec = runtime.load(data, model=target, draft=draft, strict=True)
+            if isinstance(dec, runtime.RoutedDecoder):
+                for d in dec.decoders:
+                    d.eos = eos
+                out[name] = Method(
+                    name,
+                    f"{what}, routed per prompt by its rule",
+                    dec,
+                    routed=True,
+                    settings={
+                        "profile": b.path,
+                        "configurations": [d.config.to_dict() for d in dec.decoders],
+                        "names": dec.names,
+                        "rule": dec.rule,
+                        "profile_dtype": b.data["dtype"],
+                    },
+                )
+                continue
             dec.eos = eos
             c = dec.config
             out[name] = Method(
                 name,
-                f"ours, VIA-SD profile {b.path}" + (", recheck on (lossless)" if recheck else ""),
+                what,
                 dec,
                 settings={
                     "profile": b.path,
@@ -314,7 +363,9 @@ class Runner:
 
             torch.cuda.synchronize()
 
-    def run(self, method: Method, ids: torch.Tensor, max_new: int, timed: bool = True) -> dict:
+    def run(
+        self, method: Method, ids: torch.Tensor, max_new: int, timed: bool = True, category: str | None = None
+    ) -> dict:
         """Decode ``ids`` (1-D) greedily; the record holds tokens, seconds, forwards, contention and the output.
 
         ``timed=False`` (the warm-up) neither waits for quiet nor re-runs.
@@ -324,7 +375,7 @@ class Runner:
             if timed:
                 waited += self.meter.wait_idle(self.wait_idle, threshold=self.foreign_max)
             before = self.meter.snapshot()
-            rec = self._run_once(method, ids, max_new)
+            rec = self._run_once(method, ids, max_new, category)
             foreign = self.meter.foreign_cores(before, self.meter.snapshot())
             if not timed or foreign <= self.foreign_max or retries >= self.retries:
                 break
@@ -333,7 +384,7 @@ class Runner:
         rec.update(foreign_cores=round(foreign, 3), retries=retries, waited_s=round(waited, 1), ids=ids_out)
         return rec
 
-    def _run_once(self, method: Method, ids: torch.Tensor, max_new: int) -> dict:
+    def _run_once(self, method: Method, ids: torch.Tensor, max_new: int, category: str | None = None) -> dict:
         self.counter.reset()
         if self.draft_counter is not None:
             self.draft_counter.reset()
@@ -342,7 +393,8 @@ class Runner:
         if method.ours:
             self._sync()
             t0 = time.perf_counter()
-            res = method.decoder.generate(ids, max_new_tokens=max_new)
+            routed = {"category": category} if method.routed else {}
+            res = method.decoder.generate(ids, max_new_tokens=max_new, **routed)
             self._sync()
             seconds = time.perf_counter() - t0
             out = list(res.token_ids)
@@ -405,8 +457,10 @@ def run_interleaved(
     max_new_tokens: int,
     warmup_tokens: int,
     progress: bool = True,
+    categories: list[str | None] | None = None,
 ) -> dict[str, list[list[dict]]]:
-    """records[method][repeat][prompt]: every method on every prompt, order rotated, after one warm-up each."""
+    """records[method][repeat][prompt]: every method on every prompt, order rotated, after one warm-up each.
+    ``categories``: each prompt's category, for routed profiles' rules."""
     import torch
     from tqdm.auto import tqdm
 
@@ -424,7 +478,8 @@ def run_interleaved(
                 for i, ids in enumerate(encoded):
                     for m in rotated(names, k):
                         bar.set_postfix_str(f"repeat {r + 1} prompt {i + 1} {m}", refresh=False)
-                        records[m][r][i] = runner.run(methods[m], ids, max_new_tokens)
+                        cat = categories[i] if categories else None
+                        records[m][r][i] = runner.run(methods[m], ids, max_new_tokens, category=cat)
                         bar.update(1)
                     k += 1
     return records

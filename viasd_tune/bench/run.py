@@ -55,7 +55,14 @@ def load_models(
     """Target and draft, loaded once for every method (profiles reuse them)."""
     from .. import models
 
-    needs_draft = [b.name for b in profiles if model_drafter(b.data["drafter"]) == "model"]
+    needs_draft = [
+        b.name
+        for b in profiles
+        if any(
+            model_drafter(c["drafter"]) == "model" and c.get("mode") != "ar"
+            for c in [b.data, *b.data.get("routes", {}).get("configurations", [])]
+        )
+    ]
     if needs_draft and not s.draft:
         want = profiles[[b.name for b in profiles].index(needs_draft[0])].data["draft"]["name"]
         raise UserError(
@@ -141,7 +148,8 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
         s.model = profiles[0].data["target"]["name"] if profiles else default_model
         if not s.model:
             raise UserError("no target model: pass --model (or a --profile, whose target is used)")
-    names, skipped = bm.plan_methods(s.methods, bool(s.draft), [b.name for b in profiles])
+    routes = {b.name: b.configurations for b in profiles}
+    names, skipped = bm.plan_methods(s.methods, bool(s.draft), [b.name for b in profiles], routes)
     selection = select_prompts(s, profiles)
     items = selection.items
 
@@ -178,6 +186,7 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
             max_new_tokens=s.max_new_tokens,
             warmup_tokens=s.warmup_tokens,
             progress=s.progress,
+            categories=[p.category for p in items],
         )
     finally:
         runner.close()

@@ -61,6 +61,7 @@ class Stats:
     full_time_s: float = 0.0
     prefill_time_s: float = 0.0
     wall_time_s: float = 0.0
+    routed_to: str | None = None  # routed profile: the name of the configuration its rule picked
 
     @property
     def mean_accepted_length(self) -> float:
@@ -73,7 +74,10 @@ class Stats:
         return self.new_tokens / self.full_calls if self.full_calls else float(self.new_tokens)
 
     def to_dict(self) -> dict:
+        """Every count and time (all numbers), and ``routed_to`` when a routed profile served the request."""
         d = asdict(self)
+        if d["routed_to"] is None:
+            del d["routed_to"]
         d["mean_accepted_length"] = self.mean_accepted_length
         d["tokens_per_full_call"] = self.tokens_per_full_call
         d["tokens_per_s"] = self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0

@@ -58,6 +58,10 @@ class Decoder:
 
     def encode(self, prompt, chat: str = "auto") -> torch.Tensor:
         """Prompt text, chat messages or token ids → 1-D id tensor on the target's device."""
+        return torch.tensor(self.prompt_ids(prompt, chat), dtype=torch.long, device=self.target.device)
+
+    def prompt_ids(self, prompt, chat: str = "auto") -> list[int]:
+        """Prompt text, chat messages or token ids → checked token ids on the host."""
         if isinstance(prompt, torch.Tensor):
             ids = prompt.flatten().tolist()
         elif isinstance(prompt, str):
@@ -83,7 +87,7 @@ class Decoder:
             raise UserError(f"the prompt's token ids must be in 0..{vocab - 1} (the model's vocabulary)")
         if not ids:
             raise UserError("the prompt is empty; give at least one token of text")
-        return torch.tensor(ids, dtype=torch.long, device=self.target.device)
+        return ids
 
     def _drafter(self, full: CachedLM, sampling: Sampling, gen, stats: Stats, sync: bool) -> Drafter:
         cfg = self.config

@@ -48,7 +48,11 @@ def add_search_commands(sub, add_model_args) -> None:
     e = sub.add_parser("export", help="re-export a profile from a study")
     e.add_argument("--storage", required=True)
     e.add_argument("--study-name", required=True)
-    e.add_argument("--pick", default="knee", help="knee, fastest, most-faithful or trial:N")
+    e.add_argument(
+        "--pick",
+        default="knee",
+        help="knee, fastest, most-faithful, trial:N, or routed (configurations and a rule picking one per prompt)",
+    )
     e.add_argument("--out", required=True, help="profile JSON path")
     e.set_defaults(func=cmd_export)
 
@@ -131,11 +135,17 @@ def print_summary(summary: dict) -> None:
 def cmd_export(args) -> int:
     from ..fsutil import check_output_file
     from ..profile import write_profile
-    from .export import build_profile, pick_trial
+    from .export import build_profile, pick_trial, routed_profile
     from .storage import load_study
 
     check_output_file(args.out)  # before the study is read
     study = load_study(args.storage, args.study_name)
+    if args.pick == "routed":
+        profile = routed_profile(study)
+        write_profile(args.out, profile)
+        fit = profile["routes"]["fit"]
+        print(json.dumps({"profile": args.out, "rule": profile["routes"]["rule"], "fit": fit}, indent=2))
+        return 0
     trial = pick_trial(study, args.pick)
     held = study.user_attrs.get(f"held_out:{trial.number}")
     profile = build_profile(study, trial, held)

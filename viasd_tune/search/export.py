@@ -13,10 +13,14 @@ import optuna
 from ..config import DecodeConfig, model_drafter
 from ..errors import UserError
 from ..profile import SCHEMA_VERSION, package_versions, write_profile
+from ..rule import apply_rule, fit_rule, leaves, one_leaf
 from .front import pareto_front
 
 log = logging.getLogger(__name__)
-PICKS = ("knee", "fastest", "most-faithful")
+PICKS = ("knee", "fastest", "most-faithful", "routed")
+ROUTE_DEPTH = 2  # a rule a person reads at a glance; deeper trees overfit a dozen calibration prompts
+# The tree must save this share of the best single configuration's time, or the rule is one leaf.
+ROUTE_GAIN = 0.02
 
 
 def feasible_measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -66,7 +70,9 @@ def pick_trial(study: optuna.Study, pick: str) -> optuna.trial.FrozenTrial:
         return max(pool, key=lambda t: t.values[0])
     if pick == "most-faithful":
         return max(pool, key=lambda t: (t.user_attrs["fidelity"], t.values[0]))
-    raise UserError(f"unknown --pick {pick!r}; use knee, fastest, most-faithful or trial:N")
+    if pick == "routed":
+        raise UserError("--pick routed writes a routed profile; use it with `viasd-tune export`")
+    raise UserError(f"unknown --pick {pick!r}; use knee, fastest, most-faithful, routed or trial:N")
 
 
 def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out: dict | None = None) -> dict:
@@ -112,6 +118,96 @@ def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         },
     }
+
+
+def _route_candidates(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Feasible measured trials with per-prompt times: the Pareto front plus the fastest of each drafter kind
+    (the front ranks by overall speed and acceptance, so it can miss the configuration that wins one kind of
+    prompt)."""
+    n = len(study.user_attrs["calibration"]["prompt_ids"])
+    pool = [t for t in feasible_measured(study) if len(t.user_attrs.get("prompt_s_per_token", ())) == n]
+    chosen = {t.number: t for t in pareto_front(pool)}
+    for kind in {t.user_attrs["config"]["drafter"] for t in pool}:
+        best = max((t for t in pool if t.user_attrs["config"]["drafter"] == kind), key=lambda t: t.values[0])
+        chosen.setdefault(best.number, best)
+    return sorted(chosen.values(), key=lambda t: t.number)
+
+
+def routed_profile(study: optuna.Study) -> dict:
+    """A routed profile: plain decoding and the candidate trials' configurations, and a decision tree fitted on
+    the calibration prompts (label: the configuration with the least measured time per token on that prompt).
+    When the tree saves less than ``ROUTE_GAIN`` of the best single configuration's time (in sample), the rule
+    is one leaf naming that configuration."""
+    import numpy as np
+
+    a = study.user_attrs
+    features = a.get("calibration", {}).get("features")
+    candidates = _route_candidates(study) if features else []
+    if not candidates:
+        raise UserError(
+            f"study {study.study_name!r} has no per-prompt timings (searched before routed export existed, or no "
+            "feasible measured trial); run the search again with this version, or use --pick knee"
+        )
+    # Seconds per token: rows are prompts, columns AR then each candidate. AR was measured beside every trial.
+    ar = np.mean([t.user_attrs["ar_prompt_s_per_token"] for t in candidates], axis=0)
+    cost = np.column_stack([ar, *[t.user_attrs["prompt_s_per_token"] for t in candidates]])
+    configs = [DecodeConfig(mode="ar", drafter="lookup")] + [
+        DecodeConfig.from_dict(t.user_attrs["config"]) for t in candidates
+    ]
+    names = ["ar"] + [f"trial-{t.number}" for t in candidates]
+    labels = cost.argmin(axis=1)
+    single = int(cost.sum(axis=0).argmin())
+    rule = fit_rule(features, labels.tolist(), max_depth=ROUTE_DEPTH)
+    picked = [apply_rule(rule, f) for f in features]
+    routed_s = float(cost[np.arange(len(picked)), picked].sum())
+    if routed_s > (1 - ROUTE_GAIN) * cost[:, single].sum():
+        rule, picked, routed_s = one_leaf(single), [single] * len(features), float(cost[:, single].sum())
+    used = sorted(set(leaves(rule)))  # keep only the configurations the rule can pick, renumbered
+    remap = {k: i for i, k in enumerate(used)}
+    for node in rule["nodes"]:
+        if "config" in node:
+            node["config"] = remap[node["config"]]
+    fallback = single if single in used else used[0]
+    routes = {
+        "configurations": [{"name": names[k], **configs[k].to_profile()} for k in used],
+        "rule": rule,
+        "fit": {
+            "candidates": names,
+            "best_per_prompt": [names[k] for k in labels],
+            "served_per_prompt": [names[k] for k in picked],
+            "seconds_per_token": {
+                "routed": routed_s,
+                "best_single": float(cost[:, single].sum()),
+                "ar": float(ar.sum()),
+            },
+            "best_single": names[single],
+            "max_depth": ROUTE_DEPTH,
+            "evaluated_on": "calibration (in sample)",
+        },
+    }
+    front = candidates[-1] if fallback == 0 else candidates[fallback - 1]
+    profile = build_profile(study, front)
+    profile.update({k: v for k, v in configs[fallback].to_profile().items() if k != "draft"})
+    uses_model = any(configs[k].model_drafter == "model" and configs[k].mode != "ar" for k in used)
+    profile["draft"] = {
+        **configs[fallback].to_profile()["draft"],
+        "name": a["draft"] if uses_model else None,
+        "fingerprint": a["draft_fingerprint"] if uses_model else None,
+    }
+    if fallback == 0:  # plain decoding: what it does is known, whatever trial lent the evidence fields
+        shares = {"direct": 0.0, "slim": 0.0, "full": 1.0}
+        profile["metrics"].update(acceptance=1.0, fidelity=1.0, tier_shares=shares, speedup_modelled=None)
+    profile["metrics"] = {
+        **profile["metrics"],
+        "metrics_of": f"speedups: the routed rule and the best single configuration, per token over the "
+        f"calibration prompts; acceptance, fidelity, tier shares: the fallback configuration {names[fallback]}",
+        "speedup_measured": float(ar.sum()) / routed_s,
+        "speedup_best_single": float(ar.sum() / cost[:, single].sum()),
+        "evaluated_on": "calibration (in sample)",
+        "routed_configuration": names[fallback],
+    }
+    profile["routes"] = routes
+    return profile
 
 
 def plain_decoding_profile(profile: dict, trial: int, held: dict) -> dict:

@@ -21,7 +21,7 @@ import socket
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
@@ -34,6 +34,7 @@ from ..errors import UserError
 from ..fidelity import agreement, greedy_agreement
 from ..profile import calibration_fingerprint, redact_url
 from ..routing import install_skipping, num_layers
+from ..rule import prompt_features
 from . import costmodel, importance, replay
 from . import space as spaces
 from .export import export_study
@@ -137,6 +138,10 @@ class Measurement:
     tier_time_s: dict
     tokens_per_s: float
     ar_tokens_per_s: float
+    # Seconds per emitted token on each prompt, for the configuration and the baseline: a routed export labels
+    # every calibration prompt with the configuration that served it fastest.
+    prompt_s_per_token: list[float] = field(default_factory=list)
+    base_prompt_s_per_token: list[float] = field(default_factory=list)
 
 
 def measure(
@@ -158,10 +163,14 @@ def measure(
     fid, pos, exact = [], [], []
     tiers = dict.fromkeys(("direct", "slim", "full"), 0)
     times = dict.fromkeys(("draft", "slim", "full"), 0.0)
+    per_prompt: list[float] = []
+    base_per_prompt: list[float] = []
     for i, ref in enumerate(refs):
         order = [base, dec] if (i + flip) % 2 == 0 else [dec, base]  # alternate who goes first
         for d in order:
             r = d.generate(ref.prompt_ids, max_new_tokens=max_new_tokens)
+            seconds = r.stats.wall_time_s / max(r.stats.new_tokens, 1)
+            (base_per_prompt if d is base else per_prompt).append(seconds)
             if d is base:
                 t_base += r.stats.wall_time_s
                 base_tokens += r.stats.new_tokens
@@ -190,6 +199,8 @@ def measure(
         tier_time_s=times,
         tokens_per_s=tokens / t_cfg if t_cfg else 0.0,
         ar_tokens_per_s=base_tokens / t_base if t_base else 0.0,
+        prompt_s_per_token=per_prompt,
+        base_prompt_s_per_token=base_per_prompt,
     )
 
 
@@ -262,6 +273,8 @@ def run_search(s: SearchSettings) -> dict:
             "prompt_ids": [p.id for p in calib],
             "fingerprint": signature["calibration"],
             "held_out_ids": [p.id for p in held],
+            # What a routed profile's rule reads (viasd_tune.rule), per calibration prompt, so export needs no model.
+            "features": [prompt_features(ids.tolist(), p.category) for p, ids in calib_ids],
         },
         "space_source": space.source,
         "max_new_tokens": s.max_new_tokens,
@@ -328,6 +341,8 @@ def run_search(s: SearchSettings) -> dict:
         trial.set_user_attr("tier_time_s", m.tier_time_s)
         trial.set_user_attr("tokens_per_s", m.tokens_per_s)
         trial.set_user_attr("ar_tokens_per_s", m.ar_tokens_per_s)
+        trial.set_user_attr("prompt_s_per_token", m.prompt_s_per_token)  # in calibration order
+        trial.set_user_attr("ar_prompt_s_per_token", m.base_prompt_s_per_token)
         return m.speedup, m.acceptance
 
     _optimize(study, objective, s)
