@@ -403,7 +403,15 @@ def test_routed_export_from_a_search(searched, tiny_dirs, tmp_path, capsys):
     assert measured and all(len(t.user_attrs["prompt_s_per_token"]) == n for t in measured)
     assert all(len(t.user_attrs["ar_prompt_s_per_token"]) == n for t in measured)
     path = tmp_path / "routed.json"
-    argv = ["export", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", "tiny", "--pick", "routed"]
+    argv = [
+        "export",
+        "--storage",
+        f"sqlite:///{out / 'study.db'}",
+        "--study-name",
+        "tiny",
+        "--pick",
+        "routed",
+    ]
     assert main([*argv, "--out", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["rule"]["nodes"]
     profile = load_profile(path)
@@ -487,6 +495,20 @@ def test_a_search_with_nothing_worth_decoding_stops(tiny_dirs, tmp_path, monkeyp
     decoded = [t.number for t in study.trials if t.user_attrs["measured"]]
     assert decoded == [0, 1, 2]  # the reference points: no skip, plain SD with the model and with lookup
     assert "stopped after 9 replayed trials: only 3 were worth decoding for real (--trials 5)" in caplog.text
+
+
+def test_a_search_stops_after_a_run_of_screened_out_trials(tiny_dirs, tmp_path, monkeypatch, caplog):
+    """STALE_REPLAYS finished trials in a row screened out end the search (the default search on SmolLM2 once
+    replayed 240 dominated trials for 40 min), with the decoded reference points and a warning saying so."""
+    from viasd_tune.search import run
+
+    monkeypatch.setattr(run, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(run, "STALE_REPLAYS", 4)
+    out = tmp_path / "stale"
+    run_search(settings(tiny_dirs, out, trials=5, prompts=4, max_new_tokens=4))
+    study = optuna.load_study(study_name="stale", storage=f"sqlite:///{out / 'study.db'}")
+    assert [t.user_attrs["measured"] for t in study.trials] == [True] * 3 + [False] * 4
+    assert "stopped: the last 4 replayed trials could not enter the measured front" in caplog.text
 
 
 def test_a_replayed_trial_is_decoded_only_if_it_could_enter_the_front():

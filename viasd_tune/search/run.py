@@ -45,6 +45,10 @@ ESTIMATE_MARGIN = 0.03  # trials estimated this far below min fidelity are not w
 FRONT_SLACK = 0.1  # a replayed trial is decoded unless a measured feasible one beats it by this much on both
 REPLAYS_PER_DECODE = 20  # at most this many finished trials per real decode asked for (--trials), then stop
 MIN_REPLAYS = 100
+# Stop once this many finished trials in a row were screened out: the sampler keeps proposing what the measured
+# front already beats. A replay costs seconds to half a minute on a CPU, so without this the default search
+# (nothing on SmolLM2 beats prompt lookup) spent 40 min replaying 240 dominated trials.
+STALE_REPLAYS = 25
 
 
 @dataclass
@@ -103,7 +107,9 @@ class SearchSettings:
                 f"--storage {redact_url(str(self.storage))!r} is not a storage URL; use "
                 "sqlite:///path/to/study.db or postgresql://user@host/db"
             )
-        if self.study_name is not None and (not isinstance(self.study_name, str) or not self.study_name.strip()):
+        if self.study_name is not None and (
+            not isinstance(self.study_name, str) or not self.study_name.strip()
+        ):
             raise UserError(f"--study-name must be a non-empty name (got {self.study_name!r})")
 
 
@@ -267,7 +273,9 @@ def run_search(s: SearchSettings) -> dict:
         "draft_fingerprint": draft.fingerprint if draft else None,
         "dtype": str(target.model.dtype).removeprefix("torch."),
         "device": dev.type,
-        "matrix_isa": host.matrix_isa(str(dev)),  # whoever created the study; each measured trial records its own
+        "matrix_isa": host.matrix_isa(
+            str(dev)
+        ),  # whoever created the study; each measured trial records its own
         "calibration": {
             "source": s.data,
             "prompt_ids": [p.id for p in calib],
@@ -331,7 +339,9 @@ def run_search(s: SearchSettings) -> dict:
         if not all(map(_finite, (m.speedup, m.fidelity, m.acceptance))):
             raise RuntimeError("non-finite measurement (the skip set may produce NaNs)")
         trial.set_user_attr("measured", True)
-        trial.set_user_attr("matrix_isa", host.matrix_isa(str(target.model.device)))  # speeds differ 3x across hosts
+        trial.set_user_attr(
+            "matrix_isa", host.matrix_isa(str(target.model.device))
+        )  # speeds differ 3x across hosts
         trial.set_user_attr("fidelity", m.fidelity)
         trial.set_user_attr("agreement", m.agreement)
         trial.set_user_attr("exact_match", m.exact)
@@ -362,7 +372,11 @@ def run_search(s: SearchSettings) -> dict:
             False,
         )
         sd_cfg = DecodeConfig(
-            mode="sd", gamma=cfg.gamma, drafter=cfg.drafter, draft_skip=cfg.draft_skip, lookup_min=cfg.lookup_min
+            mode="sd",
+            gamma=cfg.gamma,
+            drafter=cfg.drafter,
+            draft_skip=cfg.draft_skip,
+            lookup_min=cfg.lookup_min,
         )
         vs_sd = measure(
             target.model,
@@ -478,6 +492,18 @@ def _reason(last: list[optuna.trial.FrozenTrial]) -> str:
     return last[0].user_attrs.get("fail_reason", "?") if last else "taken over by another worker"
 
 
+def _screened_in_a_row(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """How many of the latest finished trials, counting back from the newest, were replayed and not decoded."""
+    n = 0
+    for t in sorted(trials, key=lambda t: t.number, reverse=True):
+        if t.state != optuna.trial.TrialState.COMPLETE:
+            continue
+        if t.user_attrs.get("measured"):
+            break
+        n += 1
+    return n
+
+
 def _patience(trials: list[optuna.trial.FrozenTrial]) -> float:
     """How long to wait for other workers' running trials when nothing changes: a live worker's trial ends
     within a few trial durations, a dead one's goes stale within the grace period; one killed before its
@@ -493,7 +519,8 @@ def _patience(trials: list[optuna.trial.FrozenTrial]) -> float:
 def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
     """Run trials until the study holds ``s.trials`` decoded ones (measured: replayed trials that were not worth
     decoding do not count), counting every worker's, or until timeout, or until ``REPLAYS_PER_DECODE`` finished
-    trials per decode asked for (at least ``MIN_REPLAYS``) found too few worth decoding.
+    trials per decode asked for (at least ``MIN_REPLAYS``) found too few worth decoding, or once the last
+    ``STALE_REPLAYS`` finished trials were all screened out.
 
     One trial per ``study.optimize`` call, so each start re-reads the study: a trial another worker is running
     counts as on its way (no overshoot); a trial whose worker died is failed once its heartbeat is stale and
@@ -533,7 +560,9 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
             bar.refresh()
             if s.timeout is not None and time.time() - start >= s.timeout:
                 break
-            if (done + running < s.trials and finished + running < max_finished) or retry:
+            stale = _screened_in_a_row(trials)
+            more = done + running < s.trials and finished + running < max_finished and stale < STALE_REPLAYS
+            if more or retry:
                 last.clear()
                 try:
                     study.optimize(
@@ -570,6 +599,14 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
         bar.close()
     if ran == 0 and done >= s.trials:
         log.warning("study already has %d decoded trials; exporting", done)
+    elif done < s.trials and stale >= STALE_REPLAYS:
+        log.warning(
+            "stopped: the last %d replayed trials could not enter the measured front; %d of --trials %d were "
+            "worth decoding for real",
+            stale,
+            done,
+            s.trials,
+        )
     elif done < s.trials and finished >= max_finished:
         log.warning(
             "stopped after %d replayed trials: only %d were worth decoding for real (--trials %d)",
