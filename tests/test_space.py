@@ -198,7 +198,7 @@ def check_config(
     draft_layers: int | None = None,
 ) -> None:
     eligible = set(range(space.skip.protect_first, num_layers - space.skip.protect_last))
-    assert cfg.mode == "viasd" and cfg.recheck in space.recheck
+    assert cfg.mode == ("sd" if trial.params.get("escalate_all") else "viasd") and cfg.recheck in space.recheck
     confidence = space.draft_confidence
     if cfg.drafter == "lookup":
         assert cfg.draft_confidence == 0.0 and "draft_confidence" not in trial.params
@@ -213,7 +213,7 @@ def check_config(
     assert DecodeConfig.from_dict(trial.user_attrs["config"]) == cfg
     params = trial.params
     if params.get("escalate_all"):
-        assert cfg.tau_escalate == 0.0 and cfg.skip.is_empty and not cfg.recheck
+        assert cfg.mode == "sd" and cfg.tau_escalate == 0.0 and cfg.skip.is_empty and not cfg.recheck
         assert "tau_escalate" not in params and "kl" not in params and "recheck" not in params
     else:
         assert space.tau_escalate.low <= cfg.tau_escalate <= space.tau_escalate.high
@@ -359,7 +359,7 @@ def test_enqueue_known_points_end_to_end(
     )
     assert plains == [
         DecodeConfig(
-            mode="viasd",
+            mode="sd",
             gamma=gamma,
             drafter=d,
             draft_skip=draft_skip(d),

@@ -468,9 +468,10 @@ def suggest(
         draft_skip = _draft_model_skip(space, frac, draft_layers)
     confidence = 0.0 if drafter == "lookup" else _suggest_confidence(trial, space)
     if _enqueued_escalate_all(trial):
-        # Plain SD: no slim verifier, so kl is unused (kept as the first listed for a well-formed config).
+        # Plain SD (what VIA-SD with tau_escalate 0 is, token for token), run and exported as mode sd: the
+        # engine's SD round, and a profile that says what it is. kl is unused (the first listed).
         cfg = DecodeConfig(
-            mode="viasd",
+            mode="sd",
             gamma=gamma,
             drafter=drafter,
             draft_skip=draft_skip,
