@@ -253,3 +253,17 @@ def test_cache_length_when_no_sliding_attention_runs():
     with skipping(model, skip):
         out = model(input_ids=torch.tensor([seq[9:10]]), cache=lm.cache, use_cache=True).logits[0].float()
     torch.testing.assert_close(out, reference_logits(model, seq, skip)[-1:], atol=ATOL, rtol=0)
+
+
+def test_a_transformers_release_known_to_decode_wrongly_is_refused_in_one_line() -> None:
+    """transformers 5.17-5.23 gave plain SD tokens unlike greedy decoding through the shared cache."""
+    import pytest
+
+    from viasd_tune.errors import UserError
+    from viasd_tune.routing import check_transformers
+
+    with pytest.raises(UserError, match=r"transformers 5\.17\.0 is too old .*needs >= 5\.24") as e:
+        check_transformers("5.17.0")
+    assert "\n" not in str(e.value) and "pip install -U 'transformers>=5.24,<6'" in str(e.value)
+    check_transformers("5.24.0")
+    check_transformers("5.25.0.dev0")

@@ -10,6 +10,8 @@ touches the KV cache, so the full target, the slim verifier and the self-draft s
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -159,6 +161,27 @@ def skipping(model: nn.Module, skip: SkipSet | None) -> Iterator[None]:
         model._viasd_active_skip = previous
 
 
+# The oldest transformers whose models decode through SharedKVCache exactly (5.17-5.23 gave plain SD tokens that
+# differ from greedy decoding, and slim passes of the wrong length; benchmarks/cuda_check.py found it on a GPU
+# machine's transformers 5.17). pyproject.toml's floor says the same.
+MIN_TRANSFORMERS = (5, 24)
+
+
+@functools.cache
+def check_transformers(version: str | None = None) -> None:
+    """Refuse, in one line, a transformers release the shared cache is known to decode wrongly with."""
+    import transformers
+
+    version = version or transformers.__version__
+    got = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if got < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise UserError(
+            f"transformers {version} is too old for viasd-tune's shared KV cache (needs >= {need}: older "
+            f"releases decode wrong tokens); run pip install -U 'transformers>={need},<6'"
+        )
+
+
 class SharedKVCache(DynamicCache):
     """One model's KV cache, shared by its full passes and by passes that skip sub-layers (slim verifier,
     self-draft), as Self-SD, SWIFT and LayerSkip do.
@@ -171,6 +194,7 @@ class SharedKVCache(DynamicCache):
     """
 
     def __init__(self, config, base: SkipSet | None = None):
+        check_transformers()
         super().__init__(config=config)
         # Sliding-window layers must keep their past until we trim it, or a rejected draft could not be rolled
         # back; :meth:`rollback` trims them to what a later crop can still need.
