@@ -234,3 +234,29 @@ def test_lossy_escalation_after_a_wrong_head_is_verified_like_a_cache_free_targe
         while start + expect < len(tokens) and tokens[start + expect] == choice[start + expect - 1]:
             expect += 1
         assert (m, last) == (expect, choice[start + expect - 1]), (tokens, start)
+
+
+@pytest.mark.parametrize("drafter", ["model", "self"])
+def test_replay_memory_is_bounded_and_eviction_changes_nothing(models, drafter: str) -> None:
+    """A search replays many draft skip sets over one cache; full-vocabulary drafter logits and draft KV snapshots
+    must not pile up (unbounded, 45 Qwen trials filled 24 GB), and what is evicted is recomputed to the same
+    estimate as a fresh cache gives."""
+    target, draft = models
+    ps = prompts(3, seed=11)
+    refs = references(target, ps)
+    shared = replay.ReplayCache(target, refs, draft, max_new_tokens=MAX_NEW, eos=EOS)
+    skips = [SkipSet.of(a, m) for a in ([], [0], [1], [3]) for m in ([], [2], [0, 3])]
+    for draft_skip in skips + skips[:3]:  # the first ones again, after eviction
+        cfg = DecodeConfig(
+            gamma=3,
+            drafter=drafter,
+            draft_skip=draft_skip,
+            skip=SkipSet.of([1], [2]),
+            tau_accept=0.5,
+            tau_escalate=3.0,
+        )
+        fresh = replay.ReplayCache(target, refs, draft, max_new_tokens=MAX_NEW, eos=EOS)
+        a, b = replay.simulate(shared, cfg), replay.simulate(fresh, cfg)
+        assert (a.outputs, a.tier_labels, a.calls) == (b.outputs, b.tier_labels, b.calls), draft_skip
+        assert len(shared._draft_memo) <= replay.DRAFT_MEMO
+        assert all(len(shared.prompt(i).drafts) <= replay.DRAFT_MEMO for i in range(len(ps)))

@@ -36,6 +36,7 @@ from ..decoding.drafters import ModelDrafter, prompt_lookup
 from ..routing import SkipSet, num_layers
 
 KL = ("forward", "reverse", "js")
+DRAFT_MEMO = 4  # drafter logits and draft-model KV snapshots kept per kind (see ReplayCache._draft_logits)
 
 
 @dataclass
@@ -143,6 +144,8 @@ class _Prompt:
 
     def draft_snapshot(self, skip: SkipSet) -> _Snapshot:
         if skip not in self.drafts:
+            if len(self.drafts) >= DRAFT_MEMO:  # a KV snapshot per draft skip set: keep the latest few
+                self.drafts.pop(next(iter(self.drafts)))
             self.drafts[skip] = _Snapshot(self.cache.draft, skip, self.ids)
         return self.drafts[skip]
 
@@ -201,9 +204,12 @@ class ReplayCache:
                 logits = CachedLM(self.draft, draft_skip).forward(p.ids)
             else:
                 logits = p.target.at(c).speculate(p.ids, draft_skip, tier="draft")
-            selfs = [k for k in self._draft_memo if k[1] == "self"]  # a model draft's serve every watermark
-            if len(selfs) >= 4:
-                self._draft_memo.pop(selfs[0])
+            # Full-vocabulary logits over the whole sequence (a Qwen prompt: ~200 MB each), so only the latest few
+            # of each drafter kind stay: a trial reads one prompt's at a time, and a draft forward to redo one is
+            # cheap. Unbounded, the draft skip sets a search tries filled 24 GB in 45 Qwen trials.
+            same_kind = [k for k in self._draft_memo if k[1] == drafter]
+            if len(same_kind) >= DRAFT_MEMO:
+                self._draft_memo.pop(same_kind[0])
             self._draft_memo[key] = logits
         return self._draft_memo[key]
 
