@@ -331,11 +331,12 @@ def test_enqueue_known_points_end_to_end(
         warnings.simplefilter("error")  # no out-of-range fixed-param warnings
         enqueue_known_points(study, space, 12, drafters)
         enqueue_known_points(study, space, 12, drafters)  # resumed study: not enqueued twice
-        n_known = 1 + len(plain_drafters)
+        assisted = "model" in plain_drafters  # the draft model as HF assisted generation runs it
+        n_known = 1 + len(plain_drafters) + assisted
         assert len(study.trials) == n_known
         configs: list[DecodeConfig] = []
         study.optimize(lambda t: configs.append(suggest(t, space, 12, drafters)) or 0.0, n_trials=n_known + 4)
-    no_skip, plains = configs[0], configs[1:n_known]
+    no_skip, plains = configs[0], configs[1 : 1 + len(plain_drafters)]
 
     def draft_skip(drafter: str) -> SkipSet:
         layers = evenly_spaced_skip(12, round(0.45 * 10), 1, 1) if drafter == "self" else []
@@ -368,8 +369,12 @@ def test_enqueue_known_points_end_to_end(
         )
         for d in plain_drafters
     ]
+    if assisted:  # the space's longest γ, cut at HF's default confidence 0.4
+        assert configs[n_known - 1] == DecodeConfig(
+            mode="sd", gamma=max(space.gamma), drafter="model", kl=space.kl[0], draft_confidence=0.4
+        )
     escalate_all = [t.params.get("escalate_all", False) for t in study.trials[:n_known]]
-    assert escalate_all == [False] + [True] * len(plain_drafters)
+    assert escalate_all == [False] + [True] * (n_known - 1)
     for trial, cfg in zip(study.trials, configs, strict=True):
         check_config(cfg, trial, space, 12)
 
