@@ -163,6 +163,21 @@ def test_lookup_when_the_context_repeats_model_otherwise(models):
     assert run(target, DecodeConfig(mode="sd", gamma=4), distinct, draft=draft, n=1).stats.rounds_model == 1
 
 
+def test_lookup_takes_the_latest_emitted_occurrence_else_the_earliest_in_the_prompt():
+    """Which earlier occurrence of the suffix n-gram lookup continues from: the latest in the emitted text (the
+    model repeating itself), else the earliest in the prompt (the source rather than a later quote of it)."""
+    prompt = [5, 6, 1, 5, 6, 2, 7]
+    assert prompt_lookup(torch.tensor(prompt + [5, 6]), 3, prompt_len=7).tolist() == [1, 5, 6]
+    emitted = [5, 6, 3, 9, 5, 6]  # "5 6" recurs in the emitted text: that occurrence wins
+    assert prompt_lookup(torch.tensor(prompt + emitted), 3, prompt_len=7).tolist() == [3, 9, 5]
+    assert prompt_lookup(torch.tensor(prompt + [5, 6]), 3).tolist() == [2, 7, 5]  # no prompt: the latest
+    assert prompt_lookup(torch.tensor([5, 6, 8]), 3, prompt_len=3).numel() == 0  # nothing recurs
+    # The drafter passes the sequence's prompt length.
+    seq = Sequence(torch.tensor(prompt), capacity=16)
+    seq.tokens += [5, 6]
+    assert LookupDrafter(Stats()).propose(seq, 3).tolist() == [1, 5, 6]
+
+
 class _Recorder:
     """A model drafter stand-in that says whether it was asked."""
 
@@ -190,7 +205,7 @@ def test_lookup_min_threshold(gamma, lookup_min):
         stats, model = Stats(), _Recorder()
         hybrid = HybridDrafter(LookupDrafter(stats), model, lookup_min)
         drafts, q = hybrid.draft(seq, gamma)
-        found = prompt_lookup(torch.tensor(tokens), gamma)
+        found = prompt_lookup(torch.tensor(tokens), gamma, prompt_len=len(tokens))
         if found.numel() >= min(lookup_min, gamma):
             assert q is None and drafts.tolist() == found.tolist() and model.calls == 0
             assert (stats.rounds_lookup, stats.drafted) == (1, found.numel())

@@ -94,14 +94,16 @@ def argmax_next(model, seq: list[int], skip: SkipSet | None = None) -> int:
         return int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
 
 
-def lookup_proposal(seq: list[int], gamma: int, max_ngram: int = 3) -> list[int]:
-    """Prompt lookup, written independently: the latest earlier occurrence of the longest matching suffix
-    n-gram (n ≤ max_ngram) that has a successor, and up to γ tokens after it."""
+def lookup_proposal(seq: list[int], gamma: int, prompt_len: int, max_ngram: int = 3) -> list[int]:
+    """Prompt lookup, written independently: among the earlier occurrences of the longest matching suffix
+    n-gram (n ≤ max_ngram) that have a successor, the latest one starting in the emitted text, else the earliest
+    (one in the prompt); up to γ tokens after it."""
     for n in range(min(max_ngram, len(seq) - 1), 0, -1):
-        tail = seq[-n:]
-        for start in range(len(seq) - n - 1, -1, -1):
-            if seq[start : start + n] == tail:
-                return seq[start + n : start + n + gamma]
+        starts = [s for s in range(len(seq) - n) if seq[s : s + n] == seq[-n:]]
+        if starts:
+            emitted = [s for s in starts if s >= prompt_len]
+            start = emitted[-1] if emitted else starts[0]
+            return seq[start + n : start + n + gamma]
     return []
 
 
@@ -110,12 +112,14 @@ def argmax_over_committed(model, seq: list[int], committed: int, skip: SkipSet) 
     return int(logits_over_committed(model, seq, committed, skip)[-1].argmax())
 
 
-def drafter_proposal(arch, drafter: str, draft_skip: SkipSet, seq: list[int], gamma: int, committed: int):
+def drafter_proposal(
+    arch, drafter: str, draft_skip: SkipSet, seq: list[int], gamma: int, committed: int, prompt_len: int
+):
     """The drafter's greedy proposal: prompt lookup; the draft model under ``draft_skip`` over its own cache
     (a cache-free forward); or the self-draft over the target's committed KV."""
     target, draft = MODELS[arch]
     if drafter == "lookup":
-        return lookup_proposal(seq, gamma)
+        return lookup_proposal(seq, gamma, prompt_len)
     out: list[int] = []
     for _ in range(gamma):
         if drafter == "model":
@@ -280,7 +284,7 @@ def test_infinite_thresholds_accept_every_draft(arch, prompt, gamma, drafter, dr
     seq, expected_tiers, i = list(prompt), [], 0
     committed = len(prompt) - 1  # the target prefills all but the prompt's last token
     while i < n:
-        drafts = drafter_proposal(arch, drafter, draft_skip, seq, gamma, committed)
+        drafts = drafter_proposal(arch, drafter, draft_skip, seq, gamma, committed, len(prompt))
         if drafts:
             bonus = argmax_over_committed(target, seq + drafts, committed, skip)
             tokens, tiers = drafts + [bonus], [DIRECT] * len(drafts) + [SLIM]

@@ -71,8 +71,8 @@ class ModelDrafter:
 
 
 class LookupDrafter:
-    """Prompt-lookup drafting: find the latest earlier occurrence of the context's last n-gram (n from
-    ``max_ngram`` down to 1) and propose the tokens that followed it. No model call; a one-hot proposal. Runs on
+    """Prompt-lookup drafting: find an earlier occurrence of the context's last n-gram (n from ``max_ngram`` down
+    to 1; see ``prompt_lookup`` for which) and propose the tokens that followed it. No model call; a one-hot proposal. Runs on
     the host copy of the sequence, so it costs no device read."""
 
     kind = "lookup"
@@ -83,7 +83,7 @@ class LookupDrafter:
 
     def propose(self, seq: Sequence, gamma: int) -> torch.Tensor:
         """The lookup's proposal (on the CPU, possibly empty), not yet counted as drafted."""
-        return prompt_lookup(torch.tensor(seq.tokens), gamma, self.max_ngram)
+        return prompt_lookup(torch.tensor(seq.tokens), gamma, self.max_ngram, seq.prompt_len)
 
     def draft(self, seq: Sequence, gamma: int) -> tuple[torch.Tensor, None]:
         return self.take(self.propose(seq, gamma), seq)
@@ -120,13 +120,18 @@ class HybridDrafter:
         self.model.rollback(length, floor)
 
 
-def prompt_lookup(tokens: torch.Tensor, gamma: int, max_ngram: int = 3) -> torch.Tensor:
-    """Up to γ tokens that followed the latest earlier occurrence of the longest suffix n-gram (n ≤ max_ngram) of
-    ``tokens`` (1-D, on the CPU); empty when none recurs."""
+def prompt_lookup(tokens: torch.Tensor, gamma: int, max_ngram: int = 3, prompt_len: int = 0) -> torch.Tensor:
+    """Up to γ tokens that followed an earlier occurrence of the longest suffix n-gram (n ≤ max_ngram) of
+    ``tokens`` (1-D, on the CPU; the first ``prompt_len`` are the prompt); empty when none recurs.
+
+    The occurrence: the latest one in the emitted text (the model repeating itself), else the earliest in the
+    prompt (the source text rather than later quotes of it; HF's prompt lookup takes the earliest anywhere).
+    On Spec-Bench greedy outputs this needed 1-2.5 % fewer target calls than either rule alone, 5 % on
+    summaries (benchmarks/lookup_occurrence.py)."""
     for n in range(min(max_ngram, tokens.numel() - 1), 0, -1):
         windows = tokens.unfold(0, n, 1)[:-1]  # every n-gram that has a successor
-        hits = (windows == tokens[-n:]).all(-1).nonzero()
+        hits = (windows == tokens[-n:]).all(-1).nonzero().flatten()
         if hits.numel():
-            start = int(hits[-1]) + n
+            start = int(hits[-1] if hits[-1] >= prompt_len else hits[0]) + n
             return tokens[start : start + gamma]
     return tokens[:0]

@@ -139,7 +139,8 @@ class _Prompt:
 
     def lookup(self, L: int, gamma: int) -> list[int]:
         if L not in self.lookups:
-            self.lookups[L] = prompt_lookup(torch.tensor(self.ext[:L]), self.cache.tail).tolist()
+            found = prompt_lookup(torch.tensor(self.ext[:L]), self.cache.tail, prompt_len=self.P)
+            self.lookups[L] = found.tolist()
         return self.lookups[L][:gamma]
 
     def draft_snapshot(self, skip: SkipSet) -> _Snapshot:
@@ -273,7 +274,9 @@ class ReplayCache:
         seq = Sequence(torch.tensor(tokens, device=dev), len(tokens) + cfg.gamma + 1)
         target = p.target.at(c)
         source = model_drafter(cfg.drafter)
-        proposal = prompt_lookup(torch.tensor(tokens), cfg.gamma).to(dev) if source != cfg.drafter else None
+        proposal = None
+        if source != cfg.drafter:
+            proposal = prompt_lookup(torch.tensor(tokens), cfg.gamma, prompt_len=p.P).to(dev)
         lookup = source is None or (
             proposal is not None and proposal.numel() >= min(cfg.lookup_min, cfg.gamma)
         )
