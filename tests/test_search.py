@@ -348,6 +348,27 @@ def test_knee_weighs_relative_shortfalls(points, expected):
     assert knee(pareto_front(trials)).user_attrs["i"] == expected
 
 
+@pytest.mark.parametrize(
+    "points, expected",
+    [
+        # The Qwen study: lookup+model 1.34x (acceptance 2.45) beats the draft model at γ 12 (1.14x, 4.33),
+        # which the knee picked.
+        ([(1.06, 2.64), (1.22, 3.30), (1.27, 1.33), (1.34, 2.45), (1.14, 4.33)], 3),
+        ([(1.30, 1.5), (1.28, 3.0), (1.10, 5.0)], 1),  # within 3 % of the fastest: acceptance decides
+        ([(1.30, 1.5), (1.20, 3.0)], 0),  # 8 % slower is not noise
+    ],
+)
+def test_auto_pick_is_the_fastest_with_acceptance_breaking_near_ties(points, expected):
+    from viasd_tune.search.export import auto
+
+    dist = {"a": optuna.distributions.FloatDistribution(0, 1)}
+    trials = [
+        optuna.trial.create_trial(values=list(v), params={"a": 0.5}, distributions=dist, user_attrs={"i": i})
+        for i, v in enumerate(points)
+    ]
+    assert auto(trials).user_attrs["i"] == expected
+
+
 def test_acceptance_counts_slim_forwards_at_their_cost():
     from viasd_tune.search.replay import acceptance
 
@@ -360,7 +381,7 @@ def test_acceptance_counts_slim_forwards_at_their_cost():
 
 
 def test_a_pick_slower_than_plain_decoding_is_exported_as_plain_decoding(searched, tiny_dirs, tmp_path):
-    """The knee ran at 0.5x plain decoding on the held-out prompts: the export is ``mode: ar`` with its why."""
+    """The pick ran at 0.5x plain decoding on the held-out prompts: the export is ``mode: ar`` with its why."""
     import shutil
 
     from viasd_tune.search.export import export_study, pick_trial
@@ -368,7 +389,7 @@ def test_a_pick_slower_than_plain_decoding_is_exported_as_plain_decoding(searche
     out, _ = searched
     shutil.copy(out / "study.db", tmp_path / "study.db")
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'study.db'}")
-    knee = pick_trial(study, "knee")
+    knee = pick_trial(study, "auto")
     slow = {
         "speedup_measured": 0.5,
         "speedup_vs_sd": 0.7,

@@ -50,8 +50,9 @@ def add_search_commands(sub, add_model_args) -> None:
     e.add_argument("--study-name", required=True)
     e.add_argument(
         "--pick",
-        default="knee",
-        help="knee, fastest, most-faithful, trial:N, or routed (configurations and a rule picking one per prompt)",
+        default="auto",
+        help="auto (fastest; acceptance breaks near-ties), knee, fastest, most-faithful, trial:N, or routed "
+        "(configurations and a rule picking one per prompt)",
     )
     e.add_argument("--out", required=True, help="profile JSON path")
     e.set_defaults(func=cmd_export)

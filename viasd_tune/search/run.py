@@ -1,5 +1,5 @@
 """The search: an Optuna study over skip sets, thresholds, KL direction, γ and drafter, scored on calibration
-prompts, then the knee of the feasible Pareto front re-measured on held-out prompts and exported.
+prompts, then the fastest feasible measured trial (acceptance breaking near-ties) re-measured on held-out prompts and exported.
 
 Before the study, one calibration pass scores every sub-layer by what skipping it alone changes and the study
 is seeded with skip sets built from those scores (``importance.py``). Per trial: replay (cheap, see
@@ -225,7 +225,7 @@ def _references(target, tokenizer, items, max_new_tokens: int, progress: bool) -
 
 
 def run_search(s: SearchSettings) -> dict:
-    """Run (or resume) a search and export the knee profile; returns the export summary."""
+    """Run (or resume) a search and export its pick (held out); returns the export summary."""
     out = Path(s.out)
     space = spaces.load_space(s.space)  # a bad space is refused before the folder exists
     out.mkdir(parents=True, exist_ok=True)
