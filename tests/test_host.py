@@ -17,3 +17,30 @@ def test_native_bf16_only_with_amx_or_avx512_bf16():
     assert cpu_has_native_bf16(FLAGS.format(extra="avx512f avx512_bf16"))
     assert not cpu_has_native_bf16(FLAGS.format(extra="avx512f"))
     assert not cpu_has_native_bf16(FLAGS.format(extra=""))
+
+
+def test_release_memory_returns_freed_heap_to_the_os():
+    """A search trims the heap after each trial; on Linux (glibc) that gives back what a large freed buffer held."""
+    import sys
+
+    import pytest
+    import torch
+
+    from viasd_tune.host import memory_gb, release_memory
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    release_memory()
+    before, peak = memory_gb()
+    assert before > 0 and peak > 0
+    # 1 GB in 64 kB pieces (below glibc's mmap threshold, so on the heap); the last one stays live, so a plain
+    # free cannot shrink the heap from the top: only a trim returns the pages under the freed pieces.
+    chunks = [torch.ones(16 * 1024) for _ in range(16 * 1024)]
+    last = chunks[-1]
+    held, _ = memory_gb()
+    del chunks
+    release_memory()
+    assert last.sum() == 16 * 1024
+    after, peak = memory_gb()
+    assert held - before > 0.9 and after - before < 0.2
+    assert peak > 0.9 * held  # the kernel updates the peak lazily

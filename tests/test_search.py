@@ -483,6 +483,8 @@ def test_the_study_records_how_replayed_tier_shares_matched_decoding(searched):
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
     decoded = [t for t in study.trials if t.user_attrs.get("measured")]
     assert decoded and all("replayed_tier_shares" in t.user_attrs for t in decoded)
+    # every finished trial records the process's memory after it (a long search's growth shows per trial)
+    assert all(t.user_attrs["memory_gb"]["resident"] > 0 for t in study.trials if t.state.name == "COMPLETE")
     for t in decoded:
         replayed, measured = t.user_attrs["replayed_tier_shares"], t.user_attrs["tier_shares"]
         assert sum(replayed.values()) == pytest.approx(1.0)

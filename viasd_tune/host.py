@@ -65,3 +65,27 @@ def matrix_isa(device: str = "cpu") -> str:
     if dev.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(dev)}"
     return cpu_matrix_isa()
+
+
+def memory_gb() -> tuple[float, float]:
+    """(resident, peak resident) memory of this process in GB; zeros where the OS does not say."""
+    try:
+        import resource
+
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
+        return pages * resource.getpagesize() / 1e9, peak_kb * 1024 / 1e9
+    except (OSError, ImportError, ValueError, IndexError):
+        return 0.0, 0.0
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the OS between trials: each trial allocates tensors of new shapes (its γ, its
+    skip set), and glibc keeps the freed chunks, so a long search's resident memory climbs though little is live."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

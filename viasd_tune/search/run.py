@@ -490,6 +490,8 @@ def _guarded(objective):
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         try:
             values = objective(trial)
+            host.release_memory()
+            trial.set_user_attr("memory_gb", dict(zip(("resident", "peak"), host.memory_gb(), strict=True)))
             if not all(map(_finite, values)):
                 raise RuntimeError(f"non-finite objective values {values}")
             return values
