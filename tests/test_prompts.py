@@ -325,3 +325,17 @@ def test_check_fits():
     with pytest.raises(UserError) as e:
         check_fits(101, 28, 128, "builtin:7")
     assert_one_line_error(e, "builtin:7", "101", "--max-new-tokens")
+
+
+def test_split_stratifies_by_task_group():
+    """MT-bench's eight categories are one Spec-Bench task group: a split by raw category would give them 8 of
+    every 13 calibration prompts; by task group, conversation gets its share like every other group."""
+    sizes = {c: 10 for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
+    sizes |= {"qa": 80, "rag": 80, "translation": 80}
+    calibration, held_out = split_calibration(make_prompts(sizes), 1 / 6, seed=0)
+    groups = Counter(prompt_task_group(p) for p in calibration)
+    assert len(calibration) == 320 - round(320 / 6) and set(groups) == {"conversation", "qa", "rag", "translation"}
+    # 80 prompts per group; the split draws about the same share of each
+    assert max(groups.values()) - min(groups.values()) <= 1
+    groups = Counter(prompt_task_group(p) for p in sample_prompts(make_prompts(sizes), 24, 0, prompt_task_group))
+    assert groups == {"conversation": 6, "qa": 6, "rag": 6, "translation": 6}

@@ -159,6 +159,11 @@ def test_prompt_features() -> None:
     f = prompt_features([5, 6, 7, 5, 6, 7, 5, 6], "qa")
     assert f == {"prompt_tokens": 8, "copy_share": pytest.approx(3 / 6), "category": "qa"}
     assert prompt_features([1, 2])["copy_share"] == 0.0  # shorter than an n-gram
+    # the rule reads task groups: MT-bench's categories are Spec-Bench's one conversation group
+    assert prompt_features([1, 2], "writing")["category"] == "conversation"
+    assert prompt_features([1, 2], "math")["category"] == "conversation"
+    assert prompt_features([1, 2], "math_reasoning")["category"] == "math_reasoning"
+    assert prompt_features([1, 2])["category"] is None
     assert prompt_features(list(range(50)))["copy_share"] == 0.0
 
 

@@ -513,3 +513,18 @@ def test_signature_ignores_optional_keys_at_their_defaults(tmp_path: Path) -> No
     explicit = load_space(write(tmp_path, base | {"recheck": [False], "draft_confidence": 0}, "b.yaml"))
     assert space_signature(plain, 8) == space_signature(explicit, 8)
     assert space_signature(plain, 8) != space_signature(load_space("default"), 8)
+
+
+def test_space_without_skipping_searches_plain_sd_only(tmp_path: Path) -> None:
+    """skip.budget.max 0: no slim tier to route through, so no VIA-SD reference point and every sampled trial
+    is plain SD (a slim verifier that skips nothing is the full target run twice)."""
+    space = load_space(write(tmp_path, with_skip(budget={"min": 0.0, "max": 0.0})))
+    assert not space.slim_tier and load_space("default").slim_tier
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    enqueue_known_points(study, space, 8, ALL)
+    known = [suggest(study.ask(), space, 8, ALL) for _ in range(len(study.get_trials()))]
+    assert known and all(c.mode == "sd" for c in known)
+    assert len({c.drafter for c in known}) == len(known) - 1  # plain SD per drafter, plus the HF-like draft
+    _, sampled = run_study(space, 8, ALL, n_trials=30)
+    assert {c.mode for c in sampled} == {"sd"} and len({c.drafter for c in sampled}) > 1
+    assert all(c.skip.is_empty for c in sampled)

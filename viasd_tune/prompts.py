@@ -280,9 +280,10 @@ def sample_prompts(
 
 
 def split_calibration(prompts: list[Prompt], held_out: float, seed: int) -> tuple[list[Prompt], list[Prompt]]:
-    """Split into (calibration, held-out), stratified, so reported metrics use prompts the search never saw.
+    """Split into (calibration, held-out), stratified by task group, so reported metrics use prompts the search
+    never saw.
 
-    The calibration side is drawn first, so every category appears in it while sizes allow.
+    The calibration side is drawn first, so every task group appears in it while sizes allow.
     """
     if len(prompts) < 2:
         raise UserError(
@@ -291,7 +292,7 @@ def split_calibration(prompts: list[Prompt], held_out: float, seed: int) -> tupl
     if not 0.0 < held_out < 1.0:
         raise UserError(f"held-out fraction must be between 0 and 1 (exclusive), got {held_out}; try 0.2")
     n_held = min(max(round(len(prompts) * held_out), 1), len(prompts) - 1)
-    calibration = sample_prompts(prompts, len(prompts) - n_held, seed)
+    calibration = sample_prompts(prompts, len(prompts) - n_held, seed, key=prompt_task_group)
     chosen = {id(p) for p in calibration}
     return calibration, [p for p in prompts if id(p) not in chosen]
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import UserError
+from .prompts import task_group
 
 # Numeric features, in the order the fitted classifier sees them (category one-hots follow).
 NUMERIC_FEATURES = ("prompt_tokens", "copy_share")
@@ -29,7 +30,9 @@ MAX_NODES = 2 ** (MAX_DEPTH + 1) - 1
 
 def prompt_features(ids: Sequence[int] | np.ndarray | Any, category: str | None = None) -> dict[str, Any]:
     """What the rule may read about a prompt before decoding: its length in tokens, its lookup copy potential
-    and the caller's category (``None``: not given).
+    and the caller's category (``None``: not given) as its task group: MT-bench's eight categories count as one,
+    ``conversation``, as Spec-Bench reports them (a few prompts each are too few to route on; other categories
+    are their own group).
 
     ``copy_share`` is the share of the prompt's 3-grams that already occurred earlier in the prompt: text that
     repeats itself (code, documents with recurring names) is what prompt lookup can copy from. One ``np.unique``
@@ -40,7 +43,8 @@ def prompt_features(ids: Sequence[int] | np.ndarray | Any, category: str | None 
     if n > 0:
         grams = np.lib.stride_tricks.sliding_window_view(a, COPY_NGRAM)
         share = 1.0 - np.unique(grams, axis=0).shape[0] / n
-    return {"prompt_tokens": int(a.size), "copy_share": float(share), "category": category}
+    group = None if category is None else task_group(category)
+    return {"prompt_tokens": int(a.size), "copy_share": float(share), "category": group}
 
 
 # ------------------------------------------------------------------------------------------------ the tree

@@ -233,7 +233,9 @@ def run_search(s: SearchSettings) -> dict:
     study_name = s.study_name or out.name
 
     items = prompts.load_prompts(s.data, field=s.data_field, categories=s.categories)
-    items = prompts.sample_prompts(items, s.prompts, s.seed)
+    # Stratified by task group, as the bench samples and reports: by raw category, Spec-Bench's eight MT-bench
+    # categories would take 8 of every 13 prompts and leave the other groups one or two each.
+    items = prompts.sample_prompts(items, s.prompts, s.seed, key=prompts.prompt_task_group)
     calib, held = prompts.split_calibration(items, s.held_out, s.seed)
     study = open_study(storage, study_name, s.seed, s.min_fidelity)  # before loading models: fail fast
 
@@ -307,7 +309,8 @@ def run_search(s: SearchSettings) -> dict:
     )
     cost = costmodel.fit(target.model, draft.model if draft else None, refs[0].prompt_ids)
     ar_model_time = sum(len(r.output) for r in refs) * cost.target_time(1, None)
-    seed_skip_sets(study, target.model, refs, cost, space, n_layers, s.progress)
+    if space.slim_tier:  # scoring sub-layers takes minutes; a space that skips nothing needs no skip sets
+        seed_skip_sets(study, target.model, refs, cost, space, n_layers, s.progress)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         cfg = spaces.suggest(trial, space, n_layers, drafters, num_layers(draft.model) if draft else None)

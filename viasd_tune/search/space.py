@@ -179,6 +179,13 @@ class SearchSpace:
     # The hybrid drafters' lookup_min as an integer range (low, high); None: 1, not searched.
     lookup_min: tuple[int, int] | None = None
 
+    @property
+    def slim_tier(self) -> bool:
+        """False when the space skips nothing (``skip.budget.max: 0``): a slim verifier without skipping is the
+        full target run twice, so such a space searches plain SD only (drafters, γ, confidence), e.g. for a
+        routed profile on a target too small to skip layers."""
+        return not (self.skip.encoding == "budget" and self.skip.budget is not None and self.skip.budget.high == 0)
+
 
 # ---------------------------------------------------------------- loading
 
@@ -467,7 +474,7 @@ def suggest(
         frac = space.draft_model_skip_fraction.suggest(trial, "draft_model_skip_frac")
         draft_skip = _draft_model_skip(space, frac, draft_layers)
     confidence = 0.0 if drafter == "lookup" else _suggest_confidence(trial, space)
-    if _enqueued_escalate_all(trial):
+    if _enqueued_escalate_all(trial) or not space.slim_tier:
         # Plain SD (what VIA-SD with tau_escalate 0 is, token for token), run and exported as mode sd: the
         # engine's SD round, and a profile that says what it is. kl is unused (the first listed).
         cfg = DecodeConfig(
@@ -559,7 +566,7 @@ def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> li
     }
     plains = [{**draft(d), "escalate_all": True} for d in available]
     assisted = _assisted_like(space, available, draft)
-    return [no_skip] + plains + ([assisted] if assisted and assisted not in plains else [])
+    return ([no_skip] if space.slim_tier else []) + plains + ([assisted] if assisted and assisted not in plains else [])
 
 
 HF_CONFIDENCE = 0.4  # transformers' default assistant_confidence_threshold
