@@ -432,19 +432,21 @@ def test_routed_export_falls_back_to_plain_decoding() -> None:
 
 
 def test_routed_export_drops_a_tree_that_only_fits_noise() -> None:
-    """Two configurations tied but for timing noise unrelated to the features: a depth-2 tree still saves
-    time in sample, so only the left-out check (each prompt routed by a tree fitted on the others) stops it."""
-    from viasd_tune.search.export import ROUTE_GAIN, _fit, routed_profile
+    """Two configurations tied but for timing noise unrelated to the features: a tree still saves time in
+    sample, and here even left out (3.4 % at depth 1, each prompt routed by a tree fitted on the others), but
+    the per-prompt savings scatter so widely that the mean is 1.5 standard errors from zero: refused."""
+    from viasd_tune.search.export import ROUTE_DEPTHS, ROUTE_GAIN, ROUTE_T, _fit, routed_profile
 
     rng = random.Random(3)
     features = [{"prompt_tokens": 10 + i, "copy_share": rng.random(), "category": None} for i in range(12)]
     times = {"ar": [1.0] * 12, "lookup": [rng.uniform(0.6, 0.8) for _ in features]}
     times["model"] = [rng.uniform(0.6, 0.8) for _ in features]
     cost = np.column_stack([times["ar"], times["lookup"], times["model"]])
-    in_sample = sum(cost[i, apply_rule(_fit(features, cost), f)] for i, f in enumerate(features))
+    in_sample = sum(cost[i, apply_rule(_fit(features, cost, max(ROUTE_DEPTHS)), f)] for i, f in enumerate(features))
     assert in_sample < (1 - ROUTE_GAIN) * cost.sum(axis=0).min()  # the in-sample check alone keeps the tree
     profile = validate_profile(routed_profile(_study(times, features)))
     fit = profile["routes"]["fit"]
     assert profile["routes"]["rule"] == one_leaf(0) and len(profile["routes"]["configurations"]) == 1
     left_out = fit["left_out_seconds_per_token"]
-    assert left_out["routed"] > (1 - ROUTE_GAIN) * left_out["best_single"]
+    assert left_out["routed"] < (1 - ROUTE_GAIN) * left_out["best_single"]  # the gain check alone keeps it
+    assert 0 < fit["left_out_saving_standard_errors"] < ROUTE_T

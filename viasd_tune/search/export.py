@@ -21,9 +21,14 @@ PICKS = ("auto", "knee", "fastest", "most-faithful", "routed")
 # Calibration speedups this close to the fastest are within run-to-run noise (a few %): among them, the
 # higher acceptance wins (it carries over to other hosts; a wall-clock edge this small may not).
 SPEED_NOISE = 0.03
-ROUTE_DEPTH = 2  # a rule a person reads at a glance; deeper trees overfit a dozen calibration prompts
+# Tree depths tried; the one with the least left-out time wins. A rule a person reads at a glance: on 30 Qwen
+# calibration prompts depth 2 fitted noise (a copy_share split at 0.03) and lost the left-out check depth 1 passed.
+ROUTE_DEPTHS = (1, 2)
 # The tree must save this share of the best single configuration's time, or the rule is one leaf.
 ROUTE_GAIN = 0.02
+# ... and its left-out saving must clear this many standard errors of the per-prompt savings: on 12 prompts of
+# pure timing noise, a depth-1 or depth-2 tree saved 2-5 % left out in 4 seeds of 10, at 1.5-2.3 standard errors.
+ROUTE_T = 2.0
 
 
 def feasible_measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -149,35 +154,50 @@ def _route_candidates(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return sorted(chosen.values(), key=lambda t: t.number)
 
 
-def _fit(features: list[dict], cost) -> dict:
+def _fit(features: list[dict], cost, depth: int) -> dict:
     """The tree over prompt features whose leaves name the configuration with the least time per token, each
     prompt weighted by what the right choice saves on it over the runner-up (near-ties barely count)."""
     import numpy as np
 
     ranked = np.sort(cost, axis=1)
     margin = ranked[:, 1] - ranked[:, 0] if cost.shape[1] > 1 else np.zeros(len(cost))
-    return fit_rule(features, cost.argmin(axis=1).tolist(), max_depth=ROUTE_DEPTH, weights=margin + 1e-12)
+    return fit_rule(features, cost.argmin(axis=1).tolist(), max_depth=depth, weights=margin + 1e-12)
 
 
-def _left_out(features: list[dict], cost) -> tuple[float, float]:
-    """Leave-one-out seconds per token: each prompt served by the rule, and by the best single configuration,
-    fitted on the other prompts."""
-    routed = single = 0.0
-    for i in range(len(features)):
-        rest = [j for j in range(len(features)) if j != i]
-        if not rest:
-            return float(cost.sum()), float(cost.sum())
-        rule = _fit([features[j] for j in rest], cost[rest])
-        routed += float(cost[i, apply_rule(rule, features[i])])
-        single += float(cost[i, int(cost[rest].sum(axis=0).argmin())])
+def _left_out(features: list[dict], cost, depth: int):
+    """Leave-one-out seconds per token per prompt, as two arrays: each prompt served by the rule of this depth,
+    and by the best single configuration, both fitted on the other prompts."""
+    import numpy as np
+
+    n = len(features)
+    if n < 2:
+        return cost.min(axis=1), cost.min(axis=1)
+    routed, single = np.empty(n), np.empty(n)
+    for i in range(n):
+        rest = [j for j in range(n) if j != i]
+        routed[i] = cost[i, apply_rule(_fit([features[j] for j in rest], cost[rest], depth), features[i])]
+        single[i] = cost[i, int(cost[rest].sum(axis=0).argmin())]
     return routed, single
+
+
+def _saving_t(routed, single) -> float:
+    """How many standard errors the mean per-prompt saving (single - routed) is above zero."""
+    import numpy as np
+
+    saving = single - routed
+    if len(saving) < 2:
+        return 0.0
+    se = float(np.std(saving, ddof=1)) / np.sqrt(len(saving))
+    return float(np.mean(saving)) / max(se, 1e-12)  # finite, so the profile stays plain JSON
 
 
 def routed_profile(study: optuna.Study) -> dict:
     """A routed profile: plain decoding and the candidate trials' configurations, and a decision tree fitted on
     the calibration prompts (label: the configuration with the least measured time per token on that prompt).
-    When the tree saves less than ``ROUTE_GAIN`` of the best single configuration's time, in sample or left
-    out (each prompt routed by a tree fitted on the others), the rule is one leaf naming that configuration."""
+    The depth is the one whose tree serves the prompts fastest left out (each prompt routed by a tree fitted on
+    the others). When the tree saves less than ``ROUTE_GAIN`` of the best single configuration's time, in sample
+    or left out, or its left-out saving is under ``ROUTE_T`` standard errors, the rule is one leaf naming that
+    configuration."""
     import numpy as np
 
     a = study.user_attrs
@@ -197,12 +217,20 @@ def routed_profile(study: optuna.Study) -> dict:
     names = ["ar"] + [f"trial-{t.number}" for t in candidates]
     labels = cost.argmin(axis=1)
     single = int(cost.sum(axis=0).argmin())
-    rule = _fit(features, cost)
+    left_out = {d: _left_out(features, cost, d) for d in ROUTE_DEPTHS}
+    depth = min(ROUTE_DEPTHS, key=lambda d: left_out[d][0].sum())  # the first (shallowest) of equals
+    loo_t = _saving_t(*left_out[depth])
+    loo_routed, loo_single = (float(x.sum()) for x in left_out[depth])
+    rule = _fit(features, cost, depth)
     picked = [apply_rule(rule, f) for f in features]
     routed_s = float(cost[np.arange(len(picked)), picked].sum())
-    loo_routed, loo_single = _left_out(features, cost)
-    # The tree must pay in sample and on prompts it was not fitted on: a dozen noisy timings fit easily.
-    if routed_s > (1 - ROUTE_GAIN) * cost[:, single].sum() or loo_routed > (1 - ROUTE_GAIN) * loo_single:
+    # The tree must pay in sample and on prompts it was not fitted on, clearly above the spread of what it
+    # saves per prompt: a few dozen noisy timings fit easily.
+    if (
+        routed_s > (1 - ROUTE_GAIN) * cost[:, single].sum()
+        or loo_routed > (1 - ROUTE_GAIN) * loo_single
+        or loo_t < ROUTE_T
+    ):
         rule, picked, routed_s = one_leaf(single), [single] * len(features), float(cost[:, single].sum())
     used = sorted(set(leaves(rule)))  # keep only the configurations the rule can pick, renumbered
     remap = {k: i for i, k in enumerate(used)}
@@ -224,7 +252,9 @@ def routed_profile(study: optuna.Study) -> dict:
             },
             "best_single": names[single],
             "left_out_seconds_per_token": {"routed": loo_routed, "best_single": loo_single},
-            "max_depth": ROUTE_DEPTH,
+            "depth": depth,
+            "left_out_routed_by_depth": {str(d): float(left_out[d][0].sum()) for d in ROUTE_DEPTHS},
+            "left_out_saving_standard_errors": loo_t,
             "evaluated_on": "calibration (in sample)",
         },
     }
