@@ -10,7 +10,7 @@ import torch
 from conftest import VOCAB, noisy_copy, tiny_model
 
 from viasd_tune.config import DecodeConfig
-from viasd_tune.decoding.common import DIRECT, FULL, SLIM
+from viasd_tune.decoding.common import DIRECT, FULL, SLIM, draft_budget
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.errors import UserError
 from viasd_tune.routing import SkipSet
@@ -137,10 +137,15 @@ def test_viasd_infinite_thresholds_accept_every_draft(models):
             s = result.stats
             assert s.full_calls == 0 and s.tokens_full == 0
             assert s.tokens_direct == sum(1 for t in result.tiers if t == DIRECT)
-            # Every (gamma+1)-th token is the slim bonus; the others are the drafter's greedy continuation.
+            # Each round's last token is the slim bonus, the others the drafter's greedy continuation; a round
+            # drafts γ, or what max_new_tokens leaves besides the bonus (draft_budget).
+            bonus, produced = set(), 0
+            while produced < N_NEW:
+                produced += draft_budget(gamma, N_NEW, produced) + 1
+                bonus.add(produced - 1)
             seq = ids.tolist()
             for pos, (tok, tier) in enumerate(zip(result.token_ids, result.tiers, strict=True)):
-                if pos % (gamma + 1) < gamma:
+                if pos not in bonus:
                     assert tier == DIRECT
                     assert tok == greedy_ar(draft, torch.tensor(seq), n=1)[0]
                 else:
@@ -210,3 +215,17 @@ def test_bad_configs_are_refused(models):
         assert "\n" not in str(err.value)
     with pytest.raises(UserError):
         run(target, DecodeConfig(mode="sd"), ids)  # drafter 'model' without a draft model
+
+
+def test_rounds_draft_no_more_than_max_new_tokens_leaves(models):
+    """A draft past max_new_tokens would be cut after costing its forwards (a γ-20 draft ran 48 draft forwards
+    where HF's assisted generation ran 22 over 24 new tokens): with the target as its own draft, one round of
+    γ 20 emits all 5 tokens and drafts 4 of them; a lossless mode still equals greedy."""
+    target, _ = models
+    for ids in prompts(3, seed=80):
+        for mode in ("sd", "viasd"):
+            cfg = DecodeConfig(mode=mode, gamma=20, drafter="model")  # viasd: τ 0, so every token is verified
+            result = run(target, cfg, ids, draft=target, n=5)
+            assert result.token_ids == greedy_ar(target, ids, n=5)
+            assert (result.stats.rounds, result.stats.drafted) == (1, 4)
+    assert [draft_budget(4, 24, p) for p in (0, 19, 20, 22, 23)] == [4, 4, 3, 1, 1]

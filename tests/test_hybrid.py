@@ -51,8 +51,8 @@ def prompts(n: int, seed: int) -> list[torch.Tensor]:
     return out
 
 
-def run(target, config: DecodeConfig, ids, draft=None, n=N_NEW, **kw):
-    return Decoder(target, None, config, draft=draft, eos=set()).generate(ids, n, **kw)
+def run(target, config: DecodeConfig, ids, draft=None, n=N_NEW, eos=frozenset(), **kw):
+    return Decoder(target, None, config, draft=draft, eos=set(eos)).generate(ids, n, **kw)
 
 
 def greedy_ar(target, ids, n=N_NEW):
@@ -151,9 +151,10 @@ def test_lookup_when_the_context_repeats_model_otherwise(models):
     cfg = DecodeConfig(mode="sd", gamma=4, drafter="lookup+model")
     repeating = torch.tensor([5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6])
     distinct = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
-    s = run(target, cfg, repeating, draft=draft, n=1).stats  # one round: lookup proposes 7 8 9 10
+    stop = set(range(VOCAB))  # every token ends the output: one round, of γ 4 (5 new tokens allowed)
+    s = run(target, cfg, repeating, draft=draft, n=5, eos=stop).stats  # lookup proposes 7 8 9 10
     assert (s.rounds, s.rounds_lookup, s.rounds_model, s.drafted, s.draft_calls) == (1, 1, 0, 4, 0)
-    s = run(target, cfg, distinct, draft=draft, n=1).stats  # nothing recurs: the draft model drafts
+    s = run(target, cfg, distinct, draft=draft, n=5, eos=stop).stats  # nothing recurs: the draft model drafts
     assert (s.rounds, s.rounds_lookup, s.rounds_model, s.drafted, s.draft_calls) == (1, 0, 1, 4, 4)
     # Pure drafters count their own source too.
     assert (
@@ -222,14 +223,15 @@ def test_lookup_min_end_to_end(models, drafter):
     model above it."""
     target, draft = models
     ids = torch.tensor([20, 9, 40, 9])
+    stop = set(range(VOCAB))  # every token ends the output: one round, of γ 4 (5 new tokens allowed)
     for lookup_min, (by_lookup, by_model) in ((1, (1, 0)), (2, (1, 0)), (3, (0, 1)), (64, (0, 1))):
         cfg = DecodeConfig(mode="sd", gamma=4, drafter=drafter, draft_skip=DRAFT_SKIP, lookup_min=lookup_min)
-        s = run(target, cfg, ids, draft=draft, n=1).stats
+        s = run(target, cfg, ids, draft=draft, n=5, eos=stop).stats
         assert (s.rounds_lookup, s.rounds_model) == (by_lookup, by_model), lookup_min
         assert s.drafted == (2 if by_lookup else 4)
     # γ below lookup_min: a lookup of γ tokens is as long as a draft gets, so it is used.
     cfg = DecodeConfig(mode="sd", gamma=2, drafter=drafter, draft_skip=DRAFT_SKIP, lookup_min=3)
-    assert run(target, cfg, ids, draft=draft, n=1).stats.rounds_lookup == 1
+    assert run(target, cfg, ids, draft=draft, n=3, eos=stop).stats.rounds_lookup == 1
 
 
 def test_draft_model_cache_catches_up_after_lookup_rounds(models, monkeypatch):

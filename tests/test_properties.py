@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from viasd_tune.config import DecodeConfig
-from viasd_tune.decoding.common import DIRECT, FULL, SLIM, divergence
+from viasd_tune.decoding.common import DIRECT, FULL, SLIM, divergence, draft_budget
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.routing import SkipSet, skipping
 
@@ -284,7 +284,8 @@ def test_infinite_thresholds_accept_every_draft(arch, prompt, gamma, drafter, dr
     seq, expected_tiers, i = list(prompt), [], 0
     committed = len(prompt) - 1  # the target prefills all but the prompt's last token
     while i < n:
-        drafts = drafter_proposal(arch, drafter, draft_skip, seq, gamma, committed, len(prompt))
+        budget = draft_budget(gamma, n, i)  # what max_new_tokens leaves besides the bonus
+        drafts = drafter_proposal(arch, drafter, draft_skip, seq, budget, committed, len(prompt))
         if drafts:
             bonus = argmax_over_committed(target, seq + drafts, committed, skip)
             tokens, tiers = drafts + [bonus], [DIRECT] * len(drafts) + [SLIM]

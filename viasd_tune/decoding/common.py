@@ -330,6 +330,13 @@ class Round:
 RoundFn = Callable[[Sequence], Round]
 
 
+def draft_budget(gamma: int, max_new_tokens: int, produced: int) -> int:
+    """γ for one round: drafts past ``max_new_tokens`` would be cut after costing their forwards, so draft at most
+    what the round can still emit besides its correction or bonus token (at least 1). HF's assisted generation caps
+    its drafts the same way; without it a γ-20 draft ran 48 draft forwards where HF ran 22 (24 new tokens)."""
+    return max(1, min(gamma, max_new_tokens - produced - 1))
+
+
 def run_rounds(
     round_fn: RoundFn,
     seq: Sequence,

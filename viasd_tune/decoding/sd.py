@@ -14,6 +14,7 @@ from .common import (
     Round,
     Sampling,
     Sequence,
+    draft_budget,
     probs_from_logits,
     run_rounds,
     verify_rows,
@@ -44,7 +45,7 @@ def generate(
     """``full``: the target over its cache (a self-draft shares it); ``drafter`` proposes each round."""
 
     def one_round(seq: Sequence) -> Round:
-        drafts, q_logits = drafter.draft(seq, gamma)
+        drafts, q_logits = drafter.draft(seq, draft_budget(gamma, max_new_tokens, seq.length - seq.prompt_len))
         p_logits = full.forward(seq.with_drafts(drafts), keep=drafts.numel() + 1)
         tokens = verify(p_logits, q_logits, drafts, sampling, gen)
         return Round(seq.length, tokens, [FULL] * len(tokens))

@@ -37,6 +37,7 @@ from .common import (
     accept_mask,
     correction,
     divergence,
+    draft_budget,
     probs_from_logits,
     run_rounds,
     verify_rows,
@@ -117,7 +118,7 @@ def generate(
 
     def one_round(seq: Sequence) -> Round:
         proposals.forget(full.committed + 1, seq.length)
-        drafts, q_logits = drafter.draft(seq, cfg.gamma)
+        drafts, q_logits = drafter.draft(seq, draft_budget(cfg.gamma, max_new_tokens, seq.length - seq.prompt_len))
         k, L = drafts.numel(), seq.length
         if k == 0 or cfg.tau_escalate <= 0:  # nothing for the slim tier to do
             return full_verify(seq, drafts, q_logits, [], [], [])

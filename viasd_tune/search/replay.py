@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..config import DecodeConfig, model_drafter
-from ..decoding.common import DIRECT, FULL, GREEDY, SLIM, CachedLM, Sequence, Stats, divergence
+from ..decoding.common import DIRECT, FULL, GREEDY, SLIM, CachedLM, Sequence, Stats, divergence, draft_budget
 from ..decoding.drafters import ModelDrafter, prompt_lookup
 from ..routing import SkipSet, num_layers
 
@@ -253,33 +253,35 @@ class ReplayCache:
     # ------------------------------------------------------------------ a round computed for real
 
     @torch.inference_mode()
-    def real_round(self, i: int, tokens: list[int], c: int, cfg: DecodeConfig, slim: bool) -> _RoundData:
-        """The round's drafts (the engine's drafter) and, with ``slim``, the slim pass over the target's cache
-        committed to ``c`` (the tokens before ``c`` are the reference's: the full target verified them)."""
+    def real_round(
+        self, i: int, tokens: list[int], c: int, cfg: DecodeConfig, slim: bool, gamma: int
+    ) -> _RoundData:
+        """The round's drafts (the engine's drafter, up to ``gamma``: the round's draft budget) and, with ``slim``,
+        the slim pass over the target's cache committed to ``c`` (the tokens before ``c`` are the reference's:
+        the full target verified them)."""
         key = (
             i,
             tuple(tokens),
             c,
             cfg.drafter,
             cfg.draft_skip,
-            cfg.gamma,
+            gamma,
             cfg.draft_confidence,
             slim,
             cfg.skip,
+            cfg.kl,  # the divergences depend on it
         )
         if key in self._real:
             return self._real[key]
         p = self.prompt(i)
         dev = p.ids.device
-        seq = Sequence(torch.tensor(tokens, device=dev), len(tokens) + cfg.gamma + 1)
+        seq = Sequence(torch.tensor(tokens, device=dev), len(tokens) + gamma + 1)
         target = p.target.at(c)
         source = model_drafter(cfg.drafter)
         proposal = None
         if source != cfg.drafter:
-            proposal = prompt_lookup(torch.tensor(tokens), cfg.gamma, prompt_len=p.P).to(dev)
-        lookup = source is None or (
-            proposal is not None and proposal.numel() >= min(cfg.lookup_min, cfg.gamma)
-        )
+            proposal = prompt_lookup(torch.tensor(tokens), gamma, prompt_len=p.P).to(dev)
+        lookup = source is None or (proposal is not None and proposal.numel() >= min(cfg.lookup_min, gamma))
         if lookup:
             drafts, q = proposal, None
         else:
@@ -291,7 +293,7 @@ class ReplayCache:
                 )
                 lm, skip = p.draft_snapshot(cfg.draft_skip).at(min(same, len(tokens) - 1)), None
             drafter = ModelDrafter(lm, GREEDY, None, Stats(), skip=skip, confidence=cfg.draft_confidence)
-            drafts, q = drafter.draft(seq, cfg.gamma)
+            drafts, q = drafter.draft(seq, gamma)
             drafts = drafts.clone()
         k = drafts.numel()
         out = _RoundData(drafts.tolist(), [], [], k, lookup)
@@ -391,13 +393,17 @@ class _Run:
         self.draft_committed = min(self.draft_committed, length)
 
     # ------------------------------------------------------------ what the models would say
+    def gamma(self) -> int:
+        """The round's draft budget, as the engine computes it (``common.draft_budget``)."""
+        return draft_budget(self.cfg.gamma, self.cache.max_new_tokens, len(self.tokens) - self.p.P)
+
     def on_reference(self, tokens: list[int]) -> bool:
         return tokens == self.p.ext[: len(tokens)]
 
     def fast(self) -> _RoundData:
         """The round from the arrays (the sequence follows the reference), as far as they reach."""
         cfg, L, c = self.cfg, len(self.tokens), self.c
-        ext, gamma = self.p.ext, cfg.gamma
+        ext, gamma = self.p.ext, self.gamma()
         source = model_drafter(cfg.drafter)
         proposal = self.p.lookup(L, gamma) if source != cfg.drafter else []
         lookup = source is None or len(proposal) >= min(cfg.lookup_min, gamma)
@@ -486,7 +492,7 @@ class _Run:
                 if len(drafts) < data.k and (not drafts or drafts[-1] == self.p.ext[L + len(drafts) - 1]):
                     raise _Missing
         except _Missing:
-            data = self.cache.real_round(self.i, self.tokens, self.c, cfg, slim_tier)
+            data = self.cache.real_round(self.i, self.tokens, self.c, cfg, slim_tier, self.gamma())
             head, labels, escalate, last = self.decide(data) if cfg.mode == "viasd" else ([], [], True, None)
         k = data.k
         self.count_drafting(L, k, data.lookup)

@@ -28,7 +28,7 @@ SUBLAYERS = ("attn", "mlp")
 ENCODINGS = ("budget", "per_sublayer")
 SHIPPED = ("default", "smoke", "model-draft", "lookup")
 # Bump when the params -> DecodeConfig mapping changes, so a study made with the old mapping is refused.
-DECODING_VERSION = 1
+DECODING_VERSION = 2  # 2: a round drafts at most what max_new_tokens leaves (common.draft_budget)
 
 
 def _range_schema(maximum: float | None = None) -> dict[str, Any]:
