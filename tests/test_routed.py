@@ -322,7 +322,8 @@ def test_generate_cli_routes_by_category(tiny, tmp_path, capsys, monkeypatch) ->
 
 def _study(per_prompt: dict[str, list[float]], features: list[dict]):
     """An in-memory study with one feasible measured trial per drafter kind and the given per-prompt times
-    (seconds per token; key ``ar`` is the baseline measured beside each trial)."""
+    (seconds per token; key ``ar`` is the baseline measured beside each trial, ``ar:KIND`` the one beside that
+    kind's trial where they differ)."""
     import optuna
 
     from viasd_tune.profile import calibration_fingerprint
@@ -352,9 +353,8 @@ def _study(per_prompt: dict[str, list[float]], features: list[dict]):
         "lookup": DecodeConfig(mode="sd", drafter="lookup", gamma=4),
         "model": DecodeConfig(mode="sd", drafter="model", gamma=3),
     }
-    ar = per_prompt["ar"]
     for kind, cfg in configs.items():
-        times = per_prompt[kind]
+        times, ar = per_prompt[kind], per_prompt.get(f"ar:{kind}", per_prompt["ar"])
         study.add_trial(
             optuna.trial.create_trial(
                 values=[sum(ar) / sum(times), 1.5 if kind == "model" else 1.2],
@@ -396,6 +396,28 @@ def test_routed_export_fits_the_rule_on_measured_times() -> None:
         )
     assert profile["metrics"]["speedup_measured"] > profile["metrics"]["speedup_best_single"] > 1
     assert profile["draft"]["fingerprint"] is not None  # a configuration drafts with the model
+
+
+def test_routed_export_compares_trials_as_ratios_to_the_ar_run_beside_them() -> None:
+    """The model trial ran while the host was 60 % slower (its AR too): in absolute seconds lookup wins every
+    prompt, but side by side with AR the model wins the prompts that do not repeat themselves."""
+    from viasd_tune.search.export import routed_profile
+
+    features = [{"prompt_tokens": 20 + i, "copy_share": float(i % 2), "category": None} for i in range(12)]
+    copies = [f["copy_share"] > 0.5 for f in features]
+    slow = 1.6
+    times = {
+        "ar": [1.0] * 12,
+        "lookup": [0.6 if c else 0.9 for c in copies],
+        "ar:model": [slow] * 12,
+        "model": [slow * (0.8 if c else 0.6) for c in copies],
+    }
+    assert all(m > lk for m, lk in zip(times["model"], times["lookup"], strict=True))  # raw: lookup everywhere
+    routes = validate_profile(routed_profile(_study(times, features)))["routes"]
+    assert routes["rule"]["nodes"][0]["feature"] == "copy_share"
+    for f, c in zip(features, copies, strict=True):
+        assert routes["configurations"][apply_rule(routes["rule"], f)]["drafter"] == ("lookup" if c else "model")
+    assert routes["fit"]["seconds_per_token"]["ar"] == pytest.approx(12 * (1 + slow) / 2)
 
 
 def test_routed_export_keeps_one_leaf_when_the_tree_does_not_help() -> None:

@@ -154,6 +154,20 @@ def _route_candidates(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return sorted(chosen.values(), key=lambda t: t.number)
 
 
+def _side_by_side(candidates: list[optuna.trial.FrozenTrial]):
+    """Seconds per token, rows prompts, columns AR then each candidate, from ratios measured side by side:
+    each trial decoded every prompt interleaved with AR, but trials run minutes apart on a host whose speed
+    drifts (in benchmarks/results/study-qwen-lh.db AR ran 8 % slower during the second trial, in every task
+    group). So a candidate's time on a prompt is its ratio to the AR run beside it times that prompt's mean AR
+    time over the trials: absolute times from different trials are never compared."""
+    import numpy as np
+
+    ar_runs = np.array([t.user_attrs["ar_prompt_s_per_token"] for t in candidates], dtype=np.float64)
+    times = np.array([t.user_attrs["prompt_s_per_token"] for t in candidates], dtype=np.float64)
+    ar = ar_runs.mean(axis=0)
+    return ar, np.column_stack([ar, *(times / np.maximum(ar_runs, 1e-12) * ar)])
+
+
 def _fit(features: list[dict], cost, depth: int) -> dict:
     """The tree over prompt features whose leaves name the configuration with the least time per token, each
     prompt weighted by what the right choice saves on it over the runner-up (near-ties barely count)."""
@@ -203,11 +217,11 @@ def _saving_t(routed, single) -> float:
 
 def routed_profile(study: optuna.Study) -> dict:
     """A routed profile: plain decoding and the candidate trials' configurations, and a decision tree fitted on
-    the calibration prompts (label: the configuration with the least measured time per token on that prompt).
-    The depth is the one whose tree serves the prompts fastest left out (each prompt routed by a tree fitted on
-    the others). When the tree saves less than ``ROUTE_GAIN`` of the best single configuration's time, in sample
-    or left out, or its left-out saving is under ``ROUTE_T`` standard errors, the rule is one leaf naming that
-    configuration."""
+    the calibration prompts (label: the configuration with the least time per token on that prompt, relative to
+    the AR run beside it: ``_side_by_side``). The depth is the one whose tree serves the prompts fastest left
+    out (each prompt routed by a tree fitted on the others). When the tree saves less than ``ROUTE_GAIN`` of the
+    best single configuration's time, in sample or left out, or its left-out saving is under ``ROUTE_T``
+    standard errors, the rule is one leaf naming that configuration."""
     import numpy as np
 
     a = study.user_attrs
@@ -218,9 +232,7 @@ def routed_profile(study: optuna.Study) -> dict:
             f"study {study.study_name!r} has no per-prompt timings (searched before routed export existed, or no "
             "feasible measured trial); run the search again with this version, or use --pick knee"
         )
-    # Seconds per token: rows are prompts, columns AR then each candidate. AR was measured beside every trial.
-    ar = np.mean([t.user_attrs["ar_prompt_s_per_token"] for t in candidates], axis=0)
-    cost = np.column_stack([ar, *[t.user_attrs["prompt_s_per_token"] for t in candidates]])
+    ar, cost = _side_by_side(candidates)
     configs = [DecodeConfig(mode="ar", drafter="lookup")] + [
         DecodeConfig.from_dict(t.user_attrs["config"]) for t in candidates
     ]
