@@ -37,7 +37,10 @@ PASSWORD = "s3cret-pw"  # in the PostgreSQL URL (the test server trusts loopback
 # `viasd-tune ARGS`, each trial held TEST_TRIAL_DELAY seconds at its start (before its replay estimate is
 # recorded), so a test can signal a worker while it is surely mid-trial.
 SLOW_CLI = """
-import os, sys, time
+import os, signal, sys, time
+# Ctrl-C raises KeyboardInterrupt even where the test runner was started in the background (a shell without job
+# control starts it with SIGINT ignored, and the child would inherit that and finish instead of stopping).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from viasd_tune.search import replay
 _simulate = replay.simulate
 def simulate(*args, **kwargs):
