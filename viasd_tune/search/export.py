@@ -165,7 +165,7 @@ def _side_by_side(candidates: list[optuna.trial.FrozenTrial]):
     ar_runs = np.array([t.user_attrs["ar_prompt_s_per_token"] for t in candidates], dtype=np.float64)
     times = np.array([t.user_attrs["prompt_s_per_token"] for t in candidates], dtype=np.float64)
     ar = ar_runs.mean(axis=0)
-    return ar, np.column_stack([ar, *(times / np.maximum(ar_runs, 1e-12) * ar)])
+    return np.column_stack([ar, *(times / np.maximum(ar_runs, 1e-12) * ar)])
 
 
 def _fit(features: list[dict], cost, depth: int) -> dict:
@@ -232,7 +232,8 @@ def routed_profile(study: optuna.Study) -> dict:
             f"study {study.study_name!r} has no per-prompt timings (searched before routed export existed, or no "
             "feasible measured trial); run the search again with this version, or use --pick knee"
         )
-    ar, cost = _side_by_side(candidates)
+    cost = _side_by_side(candidates)
+    ar = cost[:, 0]
     configs = [DecodeConfig(mode="ar", drafter="lookup")] + [
         DecodeConfig.from_dict(t.user_attrs["config"]) for t in candidates
     ]
