@@ -566,3 +566,31 @@ def test_routed_profile_beside_its_configurations(tiny_dirs, calibration_ids, tm
     assert all("routed_to" not in r["stats"] for r in result["records"] if "#" in r["method"])
     for m in routed:
         assert result["summary"][m]["exact_match"] == 1.0, m
+    vs = result["summary"]["viasd:routedprof"]["versus_configurations"]
+    assert sorted(vs) == sorted(routed[1:])
+    assert all(sorted(v["per_group"]) == ["math_reasoning", "translation"] for v in vs.values())
+    assert "Routed profile vs each of its configurations alone" in (out / "bench.md").read_text()
+
+
+def test_routed_versus_configurations_pairs_runs_of_the_same_repeat():
+    """The ratio is taken within each repeat: a repeat where the host ran 2x slower for every method leaves the
+    pair's ratio unchanged, and "ahead" counts the repeats where the routed profile was faster."""
+    from viasd_tune.bench.scoring import routed_versus_configurations
+
+    def run(seconds: float, tokens: int = 10) -> dict:
+        return {"seconds": seconds, "tokens": tokens}
+
+    records = {  # [repeat][prompt]; repeat 1 runs 2x slower for everyone
+        "hf": [[run(4), run(4)], [run(8), run(8)]],
+        "viasd:p": [[run(2), run(3)], [run(4), run(6)]],
+        "viasd:p#a": [[run(2), run(4)], [run(4), run(8)]],
+        "viasd:p#b": [[run(1), run(3)], [run(2), run(6)]],
+    }
+    vs = routed_versus_configurations(records, {"g0": [0], "g1": [1]}, 2)
+    assert sorted(vs) == ["viasd:p"]
+    a, b = vs["viasd:p"]["viasd:p#a"], vs["viasd:p"]["viasd:p#b"]
+    assert a["all"]["values"] == pytest.approx([6 / 5, 6 / 5]) and a["all"]["ahead"] == 2
+    assert a["all"]["repeats"] == 2
+    assert b["all"]["values"] == pytest.approx([4 / 5, 4 / 5]) and b["all"]["ahead"] == 0
+    assert a["per_group"]["g0"]["values"] == pytest.approx([1.0, 1.0]) and a["per_group"]["g0"]["ahead"] == 0
+    assert b["per_group"]["g1"]["median"] == pytest.approx(1.0)

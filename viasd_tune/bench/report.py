@@ -228,6 +228,28 @@ def group_speedup_table(result: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["method", *(f"{g} ({sizes[g]})" for g in groups)])
 
 
+def routed_versus_table(result: dict) -> pd.DataFrame | None:
+    """Per routed profile and configuration: the profile's paired speed ratio to the configuration alone, over
+    all prompts and per task group; None when no routed profile ran beside its configurations."""
+    import pandas as pd
+
+    groups, sizes = _groups(result), result["meta"]["group_sizes"]
+    n = len(result["prompts"])
+    rows = []
+    for m, s in result["summary"].items():
+        for conf, vs in s.get("versus_configurations", {}).items():
+            row = {"method": m, "vs": conf, f"all ({n})": _versus_cell(vs["all"])}
+            for g in groups:
+                x = vs["per_group"].get(g)
+                row[f"{g} ({sizes[g]})"] = _versus_cell(x) if x else "–"
+            rows.append(row)
+    return pd.DataFrame(rows) if rows else None
+
+
+def _versus_cell(x: dict) -> str:
+    return f"{_rng(x, '.3f')}, ahead {x['ahead']}/{x['repeats']}"
+
+
 def group_agreement_table(result: dict) -> pd.DataFrame:
     import pandas as pd
 
@@ -297,6 +319,20 @@ def method_items(result: dict) -> list[Text]:
 
 # (key, title, caption, table or list) sections after the main method table, in both reports
 def sections(result: dict) -> list[tuple[str, Text, str, Any]]:
+    versus = routed_versus_table(result)
+    routed = (
+        []
+        if versus is None
+        else [
+            (
+                "routed-versus",
+                ["Routed profile vs each of its configurations alone"],
+                "per repeat, the configuration's time per token / the routed profile's, both run interleaved in "
+                "that repeat: median [min–max], and in how many repeats the routed profile was faster",
+                versus,
+            )
+        ]
+    )
     return [
         (
             "group-speedup",
@@ -304,6 +340,7 @@ def sections(result: dict) -> list[tuple[str, Text, str, Any]]:
             "median [min–max] over repeats",
             group_speedup_table(result),
         ),
+        *routed,
         (
             "group-agreement",
             ["Agreement with ", Code("hf"), " per task group"],

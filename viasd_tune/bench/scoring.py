@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .. import prompts
 from ..errors import UserError
-from .methods import BASELINE
+from .methods import BASELINE, ROUTE_SEP
 
 if TYPE_CHECKING:
     import torch
@@ -230,6 +230,33 @@ def speed(records: Records, method: str, idx: list[int]) -> dict:
     }
 
 
+def versus(records: Records, method: str, other: str, idx: list[int]) -> dict:
+    """How much faster ``method`` ran than ``other`` on the prompts ``idx``: per repeat, ``other``'s time per
+    token / ``method``'s. Both ran interleaved in the same repeat, so the pair shares the host's drift that a
+    comparison of two speedups over ``hf`` would add twice."""
+
+    def per_token(m: str, r: int) -> float:
+        sec = sum(records[m][r][i]["seconds"] for i in idx)
+        return sec / max(sum(records[m][r][i]["tokens"] for i in idx), 1)
+
+    ratios = [per_token(other, r) / per_token(method, r) for r in range(len(records[method]))]
+    return {**_median_range(ratios), "ahead": sum(x > 1.0 for x in ratios), "repeats": len(ratios)}
+
+
+def routed_versus_configurations(records: Records, groups: dict[str, list[int]], n: int) -> dict[str, dict]:
+    """For each routed profile benched beside its configurations (``viasd:P`` and ``viasd:P#c``): the profile's
+    paired speed ratio to each configuration alone, over all prompts and per task group."""
+    out: dict[str, dict] = {}
+    for m in records:
+        parent, sep, _ = m.partition(ROUTE_SEP)
+        if sep and parent in records:
+            out.setdefault(parent, {})[m] = {
+                "all": versus(records, parent, m, list(range(n))),
+                "per_group": {g: versus(records, parent, m, idx) for g, idx in groups.items()},
+            }
+    return out
+
+
 def tier_shares(records: Records, method: str, idx: list[int]) -> dict | None:
     """Share of tokens each VIA-SD tier emitted (sums to 1), over all repeats; None for methods without tiers."""
     runs = [records[method][r][i] for r in range(len(records[method])) for i in idx]
@@ -296,4 +323,6 @@ def summarise(
         entry["per_group"] = {g: part(m, idx) for g, idx in groups.items()}
         entry["per_category"] = {c: part(m, idx) for c, idx in categories.items()}
         out[m] = entry
+    for m, vs in routed_versus_configurations(records, groups, len(items)).items():
+        out[m]["versus_configurations"] = vs
     return out
