@@ -320,19 +320,15 @@ def method_items(result: dict) -> list[Text]:
 # (key, title, caption, table or list) sections after the main method table, in both reports
 def sections(result: dict) -> list[tuple[str, Text, str, Any]]:
     versus = routed_versus_table(result)
-    routed = (
-        []
-        if versus is None
-        else [
-            (
-                "routed-versus",
-                ["Routed profile vs each of its configurations alone"],
-                "per repeat, the configuration's time per token / the routed profile's, both run interleaved in "
-                "that repeat: median [min–max], and in how many repeats the routed profile was faster",
-                versus,
-            )
-        ]
-    )
+    routed = [
+        (
+            "routed-versus",
+            ["Routed profile vs each of its configurations alone"],
+            "per repeat, the configuration's time per token / the routed profile's, both run interleaved in that "
+            "repeat: median [min–max], and in how many repeats the routed profile was faster",
+            versus,
+        )
+    ]
     return [
         (
             "group-speedup",
@@ -340,7 +336,7 @@ def sections(result: dict) -> list[tuple[str, Text, str, Any]]:
             "median [min–max] over repeats",
             group_speedup_table(result),
         ),
-        *routed,
+        *(routed if versus is not None else []),
         (
             "group-agreement",
             ["Agreement with ", Code("hf"), " per task group"],

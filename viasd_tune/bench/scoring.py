@@ -205,16 +205,20 @@ def _median_range(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
+def _seconds_per_token(records: Records, method: str, r: int, idx: list[int]) -> float:
+    """``method``'s time per token in repeat ``r`` over the prompts ``idx`` (a ratio of sums, as the speedups)."""
+    sec = sum(records[method][r][i]["seconds"] for i in idx)
+    return sec / max(sum(records[method][r][i]["tokens"] for i in idx), 1)
+
+
 def speed(records: Records, method: str, idx: list[int]) -> dict:
     """Tokens/s and speedup over ``hf`` (ratio of time per token) on the prompts ``idx``, per repeat."""
     tps, ratios = [], []
     for r in range(len(records[method])):
         tok = sum(records[method][r][i]["tokens"] for i in idx)
         sec = sum(records[method][r][i]["seconds"] for i in idx)
-        btok = sum(records[BASELINE][r][i]["tokens"] for i in idx)
-        bsec = sum(records[BASELINE][r][i]["seconds"] for i in idx)
         tps.append(tok / sec if sec > 0 else 0.0)
-        ratios.append((bsec / max(btok, 1)) / (sec / max(tok, 1)) if sec > 0 else 0.0)
+        ratios.append(_seconds_per_token(records, BASELINE, r, idx) / (sec / max(tok, 1)) if sec > 0 else 0.0)
     runs = [records[method][r][i] for r in range(len(records[method])) for i in idx]
     tokens, seconds = sum(x["tokens"] for x in runs), sum(x["seconds"] for x in runs)
     calls = sum(x["target_calls"] for x in runs)
@@ -234,12 +238,10 @@ def versus(records: Records, method: str, other: str, idx: list[int]) -> dict:
     """How much faster ``method`` ran than ``other`` on the prompts ``idx``: per repeat, ``other``'s time per
     token / ``method``'s. Both ran interleaved in the same repeat, so the pair shares the host's drift that a
     comparison of two speedups over ``hf`` would add twice."""
-
-    def per_token(m: str, r: int) -> float:
-        sec = sum(records[m][r][i]["seconds"] for i in idx)
-        return sec / max(sum(records[m][r][i]["tokens"] for i in idx), 1)
-
-    ratios = [per_token(other, r) / per_token(method, r) for r in range(len(records[method]))]
+    ratios = [
+        _seconds_per_token(records, other, r, idx) / _seconds_per_token(records, method, r, idx)
+        for r in range(len(records[method]))
+    ]
     return {**_median_range(ratios), "ahead": sum(x > 1.0 for x in ratios), "repeats": len(ratios)}
 
 
