@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from viasd_tune.search.space import (
     FloatRange,
     enqueue_known_points,
     evenly_spaced_skip,
+    known_points,
     load_space,
     space_signature,
     suggest,
@@ -81,6 +83,17 @@ def test_shipped_spaces_load() -> None:
         variant = load_space(name)
         assert variant.drafter == drafter
         assert variant.skip == default.skip and variant.tau_escalate == default.tau_escalate
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "spaces").glob("*.yaml")), ids=lambda p: p.stem)
+def test_benchmark_spaces_load(path: Path) -> None:
+    """The README's measured commands pass these files to --space. A plain-SD one (no slim tier) says in its
+    comment to run `--trials N`, N its reference points: those trials must decode N distinct configurations."""
+    space = load_space(str(path))
+    if not space.slim_tier:
+        n = int(re.search(r"--trials (\d+)", path.read_text()).group(1))
+        points = known_points(space, 28, list(space.drafter))
+        assert len({repr(sorted(p.items())) for p in points}) == len(points) == n
 
 
 def test_search_spaces_is_the_one_source(tmp_path: Path) -> None:
