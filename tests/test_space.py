@@ -91,7 +91,9 @@ def test_benchmark_spaces_load(path: Path) -> None:
     comment to run `--trials N`, N its reference points: those trials must decode N distinct configurations."""
     space = load_space(str(path))
     if not space.slim_tier:
-        n = int(re.search(r"--trials (\d+)", path.read_text()).group(1))
+        trials = re.search(r"--trials (\d+)", path.read_text())
+        assert trials, f"{path.name} has no slim tier: its comment should say which --trials N decodes its points"
+        n = int(trials.group(1))
         points = known_points(space, 28, list(space.drafter))
         assert len({repr(sorted(p.items())) for p in points}) == len(points) == n
 
