@@ -34,8 +34,10 @@ TS = optuna.trial.TrialState
 REPO = Path(__file__).resolve().parents[1]
 PASSWORD = "s3cret-pw"  # in the PostgreSQL URL (the test server trusts loopback, so it is never checked)
 
-# `viasd-tune ARGS`, each trial held TEST_TRIAL_DELAY seconds at its start (before its replay estimate is
-# recorded), so a test can signal a worker while it is surely mid-trial.
+# `viasd-tune ARGS`, each trial held at its start (before its replay estimate is recorded) for TEST_TRIAL_DELAY
+# seconds, and for as long as the file TEST_HOLD_FILE exists (marked by TEST_HOLD_FILE.held), so a test can signal a
+# worker while it is surely mid-trial: a fixed delay alone raced (a loaded host let the trial move on between the
+# test's look and its kill).
 SLOW_CLI = """
 import os, signal, sys, time
 # Ctrl-C raises KeyboardInterrupt even where the test runner was started in the background (a shell without job
@@ -44,7 +46,11 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 from viasd_tune.search import replay
 _simulate = replay.simulate
 def simulate(*args, **kwargs):
-    time.sleep(float(os.environ["TEST_TRIAL_DELAY"]))
+    end, hold = time.time() + float(os.environ["TEST_TRIAL_DELAY"]), os.environ.get("TEST_HOLD_FILE")
+    while time.time() < end or (hold and os.path.exists(hold)):
+        if hold and os.path.exists(hold):
+            open(hold + ".held", "w").close()  # a trial here now stays here: the test may signal
+        time.sleep(0.05)
     return _simulate(*args, **kwargs)
 replay.simulate = simulate
 from viasd_tune.cli import main
@@ -52,7 +58,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _env(tmp: Path, delay: float) -> dict:
+def _env(tmp: Path, delay: float, hold: Path | None) -> dict:
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -60,6 +66,7 @@ def _env(tmp: Path, delay: float) -> dict:
         "VIASD_HEARTBEAT_INTERVAL": "1",
         "VIASD_GRACE_PERIOD": "5",  # a dead worker's trial is retried 5 s after its last heartbeat
         "TEST_TRIAL_DELAY": str(delay),
+        "TEST_HOLD_FILE": str(hold or ""),
         "HF_HUB_OFFLINE": "1",
         "VIASD_TUNE_CACHE": str(tmp / "cache"),
     }
@@ -74,10 +81,11 @@ def _search_argv(tiny_dirs, storage: str, name: str, out: Path, trials: int) -> 
     ]  # fmt: skip
 
 
-def _start(argv: list[str], tmp: Path, tag: str, delay: float) -> subprocess.Popen:
+def _start(argv: list[str], tmp: Path, tag: str, delay: float, hold: Path | None = None) -> subprocess.Popen:
+    """``viasd-tune argv`` in a child whose trials are held at their start (see SLOW_CLI)."""
     log = (tmp / f"{tag}.log").open("w")
     return subprocess.Popen(
-        [sys.executable, "-c", SLOW_CLI, *argv], cwd=tmp, env=_env(tmp, delay), stdout=log, stderr=log
+        [sys.executable, "-c", SLOW_CLI, *argv], cwd=tmp, env=_env(tmp, delay, hold), stdout=log, stderr=log
     )
 
 
@@ -92,26 +100,30 @@ def _trials(storage, name: str) -> list[optuna.trial.FrozenTrial]:
         return []
 
 
-def _wait_mid_trial(
-    storage, name, proc, tmp, tag, need_complete=0, timeout=150.0
-) -> optuna.trial.FrozenTrial:
-    """A trial ``proc`` is running and is in its held start (configuration sampled, no replay estimate yet)."""
+def _wait_trials(storage, name, proc, tmp, tag, ready, timeout=150.0) -> list[optuna.trial.FrozenTrial]:
+    """Poll the study until ``ready(trials)`` holds; ``proc`` must stay alive meanwhile."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, f"{tag} ended early:\n{_log(tmp, tag)}"
         trials = _trials(storage, name)
-        mine = [
-            t
-            for t in trials
-            if t.state == TS.RUNNING
-            and t.user_attrs.get("worker", "").endswith(f":{proc.pid}")
-            and "config" in t.user_attrs  # sampled,
-            and "estimate" not in t.user_attrs  # not yet estimated: in the held start
-        ]
-        if mine and sum(t.state == TS.COMPLETE for t in trials) >= need_complete:
-            return mine[0]
+        if ready(trials):
+            return trials
         time.sleep(0.1)
-    raise AssertionError(f"{tag} never got mid-trial:\n{_log(tmp, tag)}")
+    raise AssertionError(f"{tag} never got there:\n{_log(tmp, tag)}")
+
+
+def _wait_held(storage, name, proc, tmp, tag, hold: Path) -> optuna.trial.FrozenTrial:
+    """The trial ``proc`` runs once it is held at its start by the file ``hold`` (which must exist): it stays there
+    until the file goes, so a signal sent now surely lands mid-trial."""
+    marker = Path(f"{hold}.held")
+    _wait_trials(storage, name, proc, tmp, tag, lambda _: marker.exists())
+    running = [  # read after the marker: the process is stuck in that trial now
+        t
+        for t in _trials(storage, name)
+        if t.state == TS.RUNNING and t.user_attrs.get("worker", "").endswith(f":{proc.pid}")
+    ]
+    assert len(running) == 1 and "config" in running[0].user_attrs and "estimate" not in running[0].user_attrs
+    return running[0]
 
 
 # ---------------------------------------------------------------------------------------------- PostgreSQL
@@ -182,10 +194,11 @@ def test_workers_share_a_study_and_survive_a_killed_one(backend, tiny_dirs, tmp_
         url = request.getfixturevalue("postgres_url")
     name, trials = f"dist-{os.getpid()}-{time.time_ns()}", 6
     argv = [*_search_argv(tiny_dirs, url, name, tmp_path / "out", trials), "--worker"]
-    procs = [_start(argv, tmp_path, f"w{i}", delay=1.0) for i in range(3)]
+    (tmp_path / "hold-w0").touch()  # the victim's first trial stays in its held start until it is killed
+    procs = [_start(argv, tmp_path, f"w{i}", 1.0, tmp_path / f"hold-w{i}") for i in range(3)]
     try:
         storage = make_storage(url)  # also exercises postgresql:// → the installed driver
-        killed = _wait_mid_trial(storage, name, procs[0], tmp_path, "w0")
+        killed = _wait_held(storage, name, procs[0], tmp_path, "w0", tmp_path / "hold-w0")
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait()
         for i, p in enumerate(procs[1:], 1):
@@ -234,10 +247,16 @@ def test_ctrl_c_keeps_finished_trials_and_a_failing_trial_fails_alone(
     out, trials = tmp_path / "run", 5
     url = f"sqlite:///{out / 'study.db'}"
     out.mkdir()
-    proc = _start(_search_argv(tiny_dirs, url, "run", out, trials), tmp_path, "search", delay=1.0)
+    proc = _start(
+        _search_argv(tiny_dirs, url, "run", out, trials), tmp_path, "search", 1.0, tmp_path / "hold"
+    )
     try:
         storage = make_storage(url)
-        hit = _wait_mid_trial(storage, "run", proc, tmp_path, "search", need_complete=2)
+        _wait_trials(
+            storage, "run", proc, tmp_path, "search", lambda ts: sum(t.state == TS.COMPLETE for t in ts) >= 2
+        )
+        (tmp_path / "hold").touch()
+        hit = _wait_held(storage, "run", proc, tmp_path, "search", tmp_path / "hold")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
