@@ -47,9 +47,11 @@ from viasd_tune.search import replay
 _simulate = replay.simulate
 def simulate(*args, **kwargs):
     end, hold = time.time() + float(os.environ["TEST_TRIAL_DELAY"]), os.environ.get("TEST_HOLD_FILE")
-    while time.time() < end or (hold and os.path.exists(hold)):
+    while True:
         if hold and os.path.exists(hold):
             open(hold + ".held", "w").close()  # a trial here now stays here: the test may signal
+        elif time.time() >= end:
+            break
         time.sleep(0.05)
     return _simulate(*args, **kwargs)
 replay.simulate = simulate
@@ -100,14 +102,13 @@ def _trials(storage, name: str) -> list[optuna.trial.FrozenTrial]:
         return []
 
 
-def _wait_trials(storage, name, proc, tmp, tag, ready, timeout=150.0) -> list[optuna.trial.FrozenTrial]:
+def _wait_trials(storage, name, proc, tmp, tag, ready, timeout=150.0) -> None:
     """Poll the study until ``ready(trials)`` holds; ``proc`` must stay alive meanwhile."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, f"{tag} ended early:\n{_log(tmp, tag)}"
-        trials = _trials(storage, name)
-        if ready(trials):
-            return trials
+        if ready(_trials(storage, name)):
+            return
         time.sleep(0.1)
     raise AssertionError(f"{tag} never got there:\n{_log(tmp, tag)}")
 
