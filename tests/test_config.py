@@ -180,7 +180,7 @@ def test_profile_draft_skip_sets_follow_the_drafter():
     with pytest.raises(UserError, match=r"\$\.draft\.skip_mlp: layer 25 is out of range; the draft has 24"):
         validate_profile(p)
     p.update(drafter="lookup", draft={"kind": "lookup", "name": None, "fingerprint": None, "skip_attn": [1]})
-    with pytest.raises(UserError, match=r"\$\.draft\.skip_attn: prompt lookup runs no model"):
+    with pytest.raises(UserError, match=r"\$\.draft\.skip_attn: drafter .lookup. runs no model"):
         validate_profile(p)
 
 

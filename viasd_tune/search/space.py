@@ -20,7 +20,7 @@ import jsonschema
 import optuna
 import yaml
 
-from ..config import DRAFTERS, GAMMA_MAX, HYBRIDS, KL_KINDS, DecodeConfig, model_drafter
+from ..config import CHAIN_DRAFTERS, GAMMA_MAX, HYBRIDS, KL_KINDS, DecodeConfig, model_drafter
 from ..errors import UserError
 from ..routing import SkipSet
 
@@ -86,7 +86,7 @@ SCHEMA: dict[str, Any] = {
             "uniqueItems": True,
             "items": {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX},
         },
-        "drafter": _names_schema(DRAFTERS),
+        "drafter": _names_schema(CHAIN_DRAFTERS),  # token trees and recycling join with the replay (issue 33)
         "self_draft": {
             "type": "object",
             "additionalProperties": False,
