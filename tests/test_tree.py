@@ -424,7 +424,9 @@ def test_gemma3_sliding_layers_stay_bounded_over_a_long_tree_generation():
 
     def checked_rollback(length, floor=None):
         rollback(length, floor)
-        sizes.append(max(lay.keys.shape[-2] for lay in full.cache.layers if lay.is_sliding and lay.is_initialized))
+        sizes.append(
+            max(lay.keys.shape[-2] for lay in full.cache.layers if lay.is_sliding and lay.is_initialized)
+        )
 
     full.rollback = checked_rollback
     seq = Sequence(ids, len(ids) + 120 + cfg.gamma + 1)
@@ -434,3 +436,51 @@ def test_gemma3_sliding_layers_stay_bounded_over_a_long_tree_generation():
     assert out.token_ids == decode(target, DecodeConfig(mode="ar"), ids, n=120).token_ids
     assert len(sizes) == stats.rounds and max(sizes) <= WINDOW - 1
     assert stats.tree_nodes_verified > stats.rounds  # real trees, not chains
+
+
+@pytest.mark.parametrize("drafter", ["lookup+recycle", "lookup+recycle+model"])
+def test_a_tree_profile_is_saved_loaded_and_served(tiny_dirs, tmp_path, capsys, drafter):
+    """A tree configuration from flags, saved in a profile, loaded by runtime.load: AR's tokens, over a tree."""
+    import json
+
+    from test_profile import make_profile
+
+    from viasd_tune import models, runtime
+    from viasd_tune.cli import main
+    from viasd_tune.profile import write_profile
+
+    target, draft = (models.load(path, "float32") for path in tiny_dirs)
+    prompt = "abcdabcdabcdab"
+    flags = [
+        "--mode",
+        "sd",
+        "--gamma",
+        "5",
+        "--drafter",
+        drafter,
+        "--tree-nodes",
+        "12",
+        "--tree-recycle-width",
+        "3",
+    ]
+    assert main(["generate", "--model", tiny_dirs[0], "--draft", tiny_dirs[1], "--dtype", "float32",
+                 "--prompt", prompt, "--max-new-tokens", "16", "--json", *flags]) == 0  # fmt: skip
+    printed = json.loads(capsys.readouterr().out)
+    cfg = DecodeConfig.from_dict(printed["config"])
+    assert (cfg.tree_nodes, cfg.tree_recycle_width, cfg.drafter) == (12, 3, drafter)
+    assert printed["stats"]["tree_nodes_verified"] > 0
+    p = make_profile()
+    decoding = cfg.to_profile()
+    p.update(decoding, dtype="float32", target={"name": tiny_dirs[0], "fingerprint": target.fingerprint})
+    p["draft"] = {"name": None, "fingerprint": None, **decoding["draft"]}
+    if cfg.model_drafter == "model":
+        p["draft"].update(name=tiny_dirs[1], fingerprint=draft.fingerprint)
+    path = tmp_path / "profile.json"
+    write_profile(path, p)
+    decoder = runtime.load(path)
+    assert decoder.config == cfg
+    out = decoder.generate(prompt, max_new_tokens=16)
+    ar = Decoder(target.model, target.tokenizer, DecodeConfig(mode="ar")).generate(prompt, max_new_tokens=16)
+    assert out.token_ids == ar.token_ids == printed["token_ids"]
+    assert main(["generate", "--profile", str(path), "--prompt", "x", "--tree-nodes", "4"]) == 2
+    assert "--tree-nodes cannot be combined with --profile" in capsys.readouterr().err
