@@ -139,3 +139,29 @@ def test_draft_model_tree_first_two_tokens_follow_the_target(small_vocab_pair, s
     assert accepted > N_SEEDS // 10  # the tree's nodes were accepted, not only corrections drawn
     assert_fits(hists[0], first, "first token")
     assert_fits(hists[1], second, "second token")
+
+
+def test_lookup_and_recycling_tree_first_two_tokens_follow_the_target(small_vocab_pair):
+    """Deterministic candidates only (the lookup tree of a repetitive prompt, then recycled successors): sampling
+    without replacement from the residual keeps the first token's and the second one's marginal the target's."""
+    target, _ = small_vocab_pair
+    prompt = [1, 4, 6, 3, 4, 6, 3, 4, 6, 3]
+    sampling = Sampling(1.0, 1.0)
+    cfg = DecodeConfig(mode="sd", gamma=3, drafter="lookup+recycle", tree_nodes=6, tree_lookup_width=3)
+    decoder = Decoder(target, None, cfg, eos=set())
+    first = probs_from_logits(next_token_logits(target, prompt=prompt)[None], sampling)[0]
+    second = sum(
+        first[x] * probs_from_logits(next_token_logits(target, prompt=prompt + [x])[None], sampling)[0]
+        for x in range(V)
+    )
+    hists = torch.zeros(2, V, dtype=torch.long)
+    verified = accepted = 0
+    for seed in range(N_SEEDS):
+        out = decoder.generate(prompt, 2, temperature=1.0, seed=seed)
+        hists[0, out.token_ids[0]] += 1
+        hists[1, out.token_ids[1]] += 1
+        verified += out.stats.tree_nodes_verified
+        accepted += out.stats.tree_depth_accepted
+    assert verified > N_SEEDS and accepted > N_SEEDS // 10
+    assert_fits(hists[0], first, "first token")
+    assert_fits(hists[1], second, "second token")
