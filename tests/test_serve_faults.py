@@ -151,3 +151,34 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(model_dirs, tmp_path) ->
     assert finish["choices"][0]["finish_reason"] == "length" and finish["viasd"]["new_tokens"] == 60
     assert queued and queued[0].usage.completion_tokens == 5  # the waiting request was answered too
     assert "Shutting down" in server.log()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--port", "70000"], "--port must be from 0 to 65535"),
+        (["--max-queue", "-1"], "--max-queue must be 0 or more"),
+        (["--api-key", " "], "API key"),
+        (["--profile", "p.json", "--gamma", "3"], "--gamma cannot be combined with --profile"),
+    ],
+)
+def test_bad_serve_flags_fail_in_one_line_before_loading(capsys, extra, needle) -> None:
+    from viasd_tune.cli import main
+
+    assert main(["serve", "--model", "/no/such/model", *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_a_taken_port_fails_before_loading(capsys) -> None:
+    import socket
+
+    from viasd_tune.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "/no/such/model", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
