@@ -189,16 +189,17 @@ def test_stop_with_real_decoding(char_pair, one_thread) -> None:
     target, draft, tok = char_pair
     dec = Decoder(target, tok, CONFIGS["viasd-recheck"], draft=draft)
     hits = 0
-    for prompt in _text_prompts(12, seed=3):
-        ref = dec.generate(prompt, max_new_tokens=60)
-        stop = ref.text[20:23]
+    for prompt in _text_prompts(8, seed=3):
+        ref = dec.generate(prompt, max_new_tokens=40)
+        stop = ref.text[12:15]
         if len(stop) < 3:
             continue
-        pieces, end = collect(dec.stream(prompt, max_new_tokens=60, stop=stop))
+        pieces, end = collect(dec.stream(prompt, max_new_tokens=40, stop=stop))
         assert "".join(pieces) == ref.text[: ref.text.index(stop)] and end.finish_reason == "stop"
         assert ref.token_ids[: len(end.result.token_ids)] == end.result.token_ids
+        assert len(end.result.token_ids) < len(ref.token_ids)  # it stopped early
         hits += 1
-    assert hits >= 6
+    assert hits >= 4
 
 
 def test_cancel_stops_within_a_round(char_pair, one_thread) -> None:

@@ -3,7 +3,6 @@ what the CLI, the search, the runtime and the server all call."""
 
 from __future__ import annotations
 
-import functools
 import numbers
 import time
 
@@ -149,8 +148,11 @@ class Decoder:
             raise UserError("streaming decodes text, so the decoder needs a tokenizer")
         stops = check_stop(stop)
         ids = self._checked_ids(prompt, max_new_tokens, temperature, top_p, seed, chat)
-        run = functools.partial(self._decode, ids, max_new_tokens, temperature, top_p, seed, False)
-        return TextStream(lambda hook: run(on_round=hook), self.tokenizer, self.eos, stops)
+
+        def run(hook: RoundHook) -> Result:
+            return self._decode(ids, max_new_tokens, temperature, top_p, seed, False, on_round=hook)
+
+        return TextStream(run, self.tokenizer, self.eos, stops)
 
     def _checked_ids(self, prompt, max_new_tokens, temperature, top_p, seed, chat) -> torch.Tensor:
         check_generation(max_new_tokens, temperature, top_p, seed)

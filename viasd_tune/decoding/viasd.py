@@ -171,6 +171,5 @@ def generate(
         return Round(c + 1 + m, [last], [FULL])
 
     # Without recheck nothing is ever taken back: no flush, and every token is final as soon as it is emitted.
-    return run_rounds(
-        one_round, seq, max_new_tokens, eos_ids, full, drafter, flush if cfg.recheck else None, on_round
-    )
+    last_check = flush if cfg.recheck else None
+    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, drafter, last_check, on_round=on_round)
