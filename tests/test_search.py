@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 
@@ -16,6 +17,7 @@ from viasd_tune.fidelity import agreement, greedy_agreement
 from viasd_tune.profile import load_profile
 from viasd_tune.prompts import encode_all, load_prompts
 from viasd_tune.search.export import build_profile
+from viasd_tune.search.records import StudyRecord, TrialRecord
 from viasd_tune.search.run import SearchSettings, run_search
 
 TRIALS = 6
@@ -126,6 +128,11 @@ def test_search_exports_a_valid_profile(searched, tiny_dirs):
             "measured",
         } <= t.user_attrs.keys()
         assert list(t.constraints.values()) == [pytest.approx(0.5 - t.user_attrs["fidelity"])]
+    # Everything the search stored is a field of its records: nothing is written under another name.
+    trial_fields = {f.name for f in dataclasses.fields(TrialRecord)}
+    assert all(set(t.user_attrs) <= trial_fields for t in study.trials)
+    study_keys = {k.split(":")[0] if k.startswith("held_out:") else k for k in study.user_attrs}
+    assert study_keys <= {f.name for f in dataclasses.fields(StudyRecord)}
 
 
 def test_runtime_serves_the_profiles(searched, tiny_dirs):
@@ -450,21 +457,17 @@ def test_the_study_starts_from_importance_seeds(searched):
 
     out, _ = searched
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
-    imp = importance.Importance.from_dict(study.user_attrs[importance.ATTR])
+    imp = importance.Importance.from_dict(StudyRecord.read(study).layer_importance)
     assert imp.positions > 0 and set(imp.drop) == {"attn", "mlp"}
     n_layers = study.user_attrs["num_layers"]
     assert imp.drop["attn"][0] is None and imp.drop["mlp"][n_layers - 1] is None  # smoke protects both ends
     seeds = importance.seed_skip_sets(imp, spaces.load_space("smoke"), n_layers)  # what the run enqueued
-    seeded = [
-        t
-        for t in study.trials
-        if t.system_attrs.get("fixed_params") and "escalate_all" not in t.system_attrs["fixed_params"]
-    ]
+    seeded = [t for t in study.trials if (r := TrialRecord.read(t)).enqueued and not r.reference]
     assert seeds and len(seeded) == len(seeds)
     space = spaces.load_space("smoke")
     ran = 0
     for t, skip in zip(seeded, seeds, strict=True):
-        assert t.system_attrs["fixed_params"] == importance.skip_params(space, n_layers, skip)
+        assert TrialRecord.read(t).enqueued == importance.skip_params(space, n_layers, skip)
         if t.state == optuna.trial.TrialState.COMPLETE:  # seeds after the last decode asked for stay WAITING
             ran += 1
             assert (t.user_attrs["config"]["skip_attn"], t.user_attrs["config"]["skip_mlp"]) == (

@@ -27,6 +27,7 @@ from viasd_tune.errors import UserError
 from viasd_tune.fsutil import atomic_write_text
 from viasd_tune.page import facts_table, figure_html, page_html
 from viasd_tune.search.front import pareto_front
+from viasd_tune.search.records import StudyRecord, TrialRecord
 
 __all__ = ["build_dashboard", "dashboard_from_out_dir", "dashboard_from_storage"]
 
@@ -45,6 +46,7 @@ class _Point:
     """One complete trial with finite objectives, flattened for plotting."""
 
     trial: FrozenTrial
+    record: TrialRecord
     speedup: float
     acceptance: float
     feasible: bool
@@ -61,16 +63,16 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _feasible(trial: FrozenTrial) -> bool:
-    """Optuna's rule (every constraint <= 0) when constraints were recorded, else the ``feasible`` attr."""
+def _feasible(trial: FrozenTrial, record: TrialRecord) -> bool:
+    """Optuna's rule (every constraint <= 0) when constraints were recorded, else the record's ``feasible``."""
     constraints = trial.constraints
     if constraints:
         return all(v <= 0 for v in constraints.values())
-    return bool(trial.user_attrs.get("feasible", True))
+    return bool(record.feasible if record.feasible is not None else True)
 
 
-def _fidelity(trial: FrozenTrial, min_fidelity: float | None) -> float | None:
-    fid = trial.user_attrs.get("fidelity")
+def _fidelity(trial: FrozenTrial, record: TrialRecord, min_fidelity: float | None) -> float | None:
+    fid = record.fidelity
     if _finite(fid):
         return float(fid)
     constraints = trial.constraints
@@ -87,15 +89,16 @@ def _points(trials: Sequence[FrozenTrial], min_fidelity: float | None) -> list[_
         values = t.values or []
         if len(values) < 2 or not (_finite(values[0]) and _finite(values[1])):
             continue
-        config = t.user_attrs.get("config")
+        record = TrialRecord.read(t)
         points.append(
             _Point(
                 trial=t,
+                record=record,
                 speedup=float(values[0]),
                 acceptance=float(values[1]),
-                feasible=_feasible(t),
-                fidelity=_fidelity(t, min_fidelity),
-                config=config if isinstance(config, dict) else {},
+                feasible=_feasible(t, record),
+                fidelity=_fidelity(t, record, min_fidelity),
+                config=record.config if isinstance(record.config, dict) else {},
             )
         )
     _mark_pareto([p for p in points if p.feasible and _decoded(p)])
@@ -104,7 +107,7 @@ def _points(trials: Sequence[FrozenTrial], min_fidelity: float | None) -> list[_
 
 def _decoded(p: _Point) -> bool:
     """Decoded for real; a trial the search only replayed has modelled objectives and never joins the front."""
-    return p.trial.user_attrs.get("measured") is not False
+    return p.record.measured is not False
 
 
 def _mark_pareto(points: list[_Point]) -> None:
@@ -115,7 +118,7 @@ def _mark_pareto(points: list[_Point]) -> None:
 
 
 def _study_min_fidelity(study: optuna.Study) -> float | None:
-    value = study.user_attrs.get("min_fidelity")
+    value = StudyRecord.read(study).min_fidelity
     return float(value) if _finite(value) else None
 
 
@@ -148,9 +151,9 @@ def _shares(shares: Any) -> str:
 
 
 def _hover(p: _Point, min_fidelity: float | None) -> str:
-    c, ua = p.config, p.trial.user_attrs
+    c, r = p.config, p.record
     status = "feasible" if p.feasible else "infeasible"
-    if ua.get("measured") is False:
+    if r.measured is False:
         status += ", replay estimate only"
     if p.pareto:
         status += ", Pareto-optimal"
@@ -160,8 +163,8 @@ def _hover(p: _Point, min_fidelity: float | None) -> str:
         f"speedup {p.speedup:.3f}× · acceptance {p.acceptance:.3f} tok/full-equivalent call",
         f"fidelity {fid}",
     ]
-    if _finite(ua.get("speedup_modelled")):
-        lines.append(f"modelled speedup {ua['speedup_modelled']:.3f}×")
+    if _finite(r.speedup_modelled):
+        lines.append(f"modelled speedup {r.speedup_modelled:.3f}×")
     if c:
         lines += [
             f"skip attn {_layers(c.get('skip_attn'))}",
@@ -176,7 +179,7 @@ def _hover(p: _Point, min_fidelity: float | None) -> str:
             lines.append(
                 f"draft skip attn {_layers(c.get('draft_skip_attn'))} mlp {_layers(c.get('draft_skip_mlp'))}"
             )
-    lines.append(f"tokens: {_shares(ua.get('tier_shares'))}")
+    lines.append(f"tokens: {_shares(r.tier_shares)}")
     return "<br>".join(lines)
 
 
@@ -346,7 +349,7 @@ def _fig_fidelity(points: list[_Point], exported: _Point | None, min_fidelity: f
 
 def _fig_layer_importance(study: optuna.Study) -> tuple[go.Figure | None, str]:
     """The calibration pass's sub-layer scores (search/importance.py): what skipping each one alone changes."""
-    imp = study.user_attrs.get("layer_importance")
+    imp = StudyRecord.read(study).layer_importance
     if not isinstance(imp, dict) or not isinstance(imp.get("drop"), dict):
         return None, "No layer importance in this study (searches before seeding did not score sub-layers)."
     drop, kl = imp["drop"], imp.get("kl") or {}
@@ -413,7 +416,7 @@ def _slower_banner(study: optuna.Study, exported: _Point | None) -> str:
     """A banner when the exported pick ran slower than plain decoding on the held-out prompts."""
     if exported is None:
         return ""
-    held = study.user_attrs.get(f"held_out:{exported.number}")
+    held = StudyRecord.read(study).held_out.get(exported.number)
     speed = held.get("speedup_measured") if isinstance(held, dict) else None
     if not _finite(speed) or speed >= 1.0:
         return ""
@@ -439,7 +442,7 @@ def _skip_pool(points: list[_Point]) -> tuple[list[_Point], str]:
 
 
 def _num_layers(study: optuna.Study, points: list[_Point]) -> int:
-    n = study.user_attrs.get("num_layers")
+    n = StudyRecord.read(study).num_layers
     n = int(n) if _finite(n) else 0
     for p in points:
         for key in ("skip_attn", "skip_mlp"):
@@ -601,9 +604,9 @@ def _fig_tokens(
             else "best-speedup trial (none feasible)"
         )
     series: list[tuple[str, dict, dict]] = []
-    ua = chosen.trial.user_attrs
-    series.append(("calibration (search)", ua.get("tier_shares") or {}, ua.get("tier_time_s") or {}))
-    held = study.user_attrs.get(f"held_out:{chosen.number}")
+    r = chosen.record
+    series.append(("calibration (search)", r.tier_shares or {}, r.tier_time_s or {}))
+    held = StudyRecord.read(study).held_out.get(chosen.number)
     if isinstance(held, dict):
         series.append(("held-out", held.get("tier_shares") or {}, held.get("tier_time_s") or {}))
     fig = make_subplots(
@@ -774,16 +777,17 @@ def _fig_importances(study: optuna.Study, points: list[_Point]) -> tuple[go.Figu
 # --------------------------------------------------------------------------------------------------- page
 
 
-def _isas(study: optuna.Study, a: dict) -> str:
+def _isas(study: optuna.Study, a: StudyRecord) -> str:
     """The hosts' matrix ISAs the trials were measured on (speeds are only comparable on one)."""
-    seen = sorted({t.user_attrs["matrix_isa"] for t in study.get_trials(deepcopy=False) if "matrix_isa" in t.user_attrs})
-    return ", ".join(seen) or a.get("matrix_isa", "unknown")
+    records = map(TrialRecord.read, study.get_trials(deepcopy=False))
+    seen = sorted({r.matrix_isa for r in records if r.matrix_isa is not None})
+    return ", ".join(seen) or (a.matrix_isa if a.matrix_isa is not None else "unknown")
 
 
 def _header_rows(
     study: optuna.Study, points: list[_Point], exported: _Point | None, wanted: int | None
 ) -> list:
-    a = study.user_attrs
+    a = StudyRecord.read(study)
     counts: dict[str, int] = {}
     for t in study.get_trials(deepcopy=False):
         counts[t.state.name.lower()] = counts.get(t.state.name.lower(), 0) + 1
@@ -800,11 +804,11 @@ def _header_rows(
         if counts.get(state):
             trials += f" · {counts[state]} {'failed' if state == 'fail' else state}"
     rows = [
-        ("target", _esc(a.get("target") or "-")),
-        ("draft", _esc(a.get("draft") or "- (self / lookup drafting only)")),
+        ("target", _esc(a.target or "-")),
+        ("draft", _esc(a.draft or "- (self / lookup drafting only)")),
         ("trials", _esc(trials)),
-        ("min fidelity", _esc(_num(a.get("min_fidelity"), "g"))),
-        ("dtype · matrix ISA", _esc(f"{a.get('dtype', '-')} · {_isas(study, a)}")),
+        ("min fidelity", _esc(_num(a.min_fidelity, "g"))),
+        ("dtype · matrix ISA", _esc(f"{a.dtype if a.dtype is not None else '-'} · {_isas(study, a)}")),
     ]
     if exported is not None:
         c = exported.config
@@ -812,7 +816,7 @@ def _header_rows(
             f"trial #{exported.number}: speedup {exported.speedup:.3f}×, acceptance {exported.acceptance:.3f} "
             f"tok/full call, fidelity {_num(exported.fidelity, '.4f')}"
         )
-        held = a.get(f"held_out:{exported.number}")
+        held = a.held_out.get(exported.number)
         if isinstance(held, dict):
             text += (
                 f"; held-out ({held.get('held_out_prompts', '?')} prompts): speedup "
@@ -864,7 +868,7 @@ def build_dashboard(
     min_fidelity = _study_min_fidelity(study)
     points = _points(complete, min_fidelity)
     if exported_trial is None:
-        attr = study.user_attrs.get("exported_trial")
+        attr = StudyRecord.read(study).exported_trial
         exported_trial = attr if isinstance(attr, int) and not isinstance(attr, bool) else None
     exported = next((p for p in points if p.number == exported_trial), None)
 
@@ -1064,7 +1068,7 @@ def dashboard_from_out_dir(out_dir: str | Path, out: str | Path | None = None) -
             )
         named = names[0]
     study = _load(storage, named, str(db))
-    exported = study.user_attrs.get("exported_trial")
+    exported = StudyRecord.read(study).exported_trial
     if not isinstance(exported, int) or isinstance(exported, bool):
         exported = profile_trial
     return build_dashboard(

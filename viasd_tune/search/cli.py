@@ -137,6 +137,7 @@ def cmd_export(args) -> int:
     from ..fsutil import check_output_file
     from ..profile import write_profile
     from .export import build_profile, pick_trial, routed_profile
+    from .records import StudyRecord
     from .storage import load_study
 
     check_output_file(args.out)  # before the study is read
@@ -148,7 +149,7 @@ def cmd_export(args) -> int:
         print(json.dumps({"profile": args.out, "rule": profile["routes"]["rule"], "fit": fit}, indent=2))
         return 0
     trial = pick_trial(study, args.pick)
-    held = study.user_attrs.get(f"held_out:{trial.number}")
+    held = StudyRecord.read(study).held_out.get(trial.number)
     profile = build_profile(study, trial, held)
     if held is not None and held["speedup_measured"] < 1.0:
         profile["metrics"]["slower_than_ar"] = True

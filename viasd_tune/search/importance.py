@@ -27,6 +27,7 @@ from ..decoding.common import CachedLM
 from ..routing import SkipSet, num_layers
 from . import space as spaces
 from .costmodel import CostModel
+from .records import TrialRecord
 from .replay import Reference
 
 BLOCK = 8  # tokens per slim pass: a verify block of gamma + 1 for the spaces' largest gamma
@@ -36,7 +37,6 @@ MAX_BLOCKS = 16
 LOSS_BUDGETS = (0.0, 0.01, 0.02, 0.05, 0.1)  # agreement the knapsack sets may lose (share of positions)
 SIZES = 4  # ranking prefixes, evenly spread over the space's skip-fraction range
 MAX_SEEDS = 8
-ATTR = "layer_importance"  # study user attr holding :meth:`Importance.to_dict`
 
 
 @dataclass
@@ -274,11 +274,11 @@ def enqueue_seeds(study: optuna.Study, space: spaces.SearchSpace, n_layers: int,
     Returns how many were enqueued."""
     TS = optuna.trial.TrialState
     live = study.get_trials(deepcopy=False, states=(TS.WAITING, TS.RUNNING, TS.COMPLETE, TS.PRUNED))
-    have = [t.system_attrs.get("fixed_params") for t in live]
+    have = [TrialRecord.read(t).enqueued for t in live]
     n = 0
     for skip in seed_skip_sets(imp, space, n_layers):
         params = skip_params(space, n_layers, skip)  # VIA-SD: no escalate_all, as sampled trials
         if params not in have:
-            study.enqueue_trial(params)
+            study.enqueue_trial(params, user_attrs=TrialRecord(enqueued=params).attrs())
             n += 1
     return n

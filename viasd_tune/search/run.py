@@ -38,6 +38,7 @@ from ..rule import prompt_features
 from . import costmodel, importance, replay
 from . import space as spaces
 from .export import export_study
+from .records import TIERS, StudyRecord, TrialRecord
 from .storage import env_seconds, open_study
 
 log = logging.getLogger(__name__)
@@ -263,26 +264,24 @@ def run_search(s: SearchSettings) -> dict:
         "calibration": calibration_fingerprint([(p.id, p.text) for p in calib]),
         "max_new_tokens": s.max_new_tokens,
     }
-    old = study.user_attrs.get("signature")
+    old = StudyRecord.read(study).signature
     if old and old != signature:
         what = ", ".join(k for k in signature if old.get(k) != signature[k])
         raise UserError(
             f"study {study_name!r} already exists with a different {what}; pick a new --study-name or --out"
         )
-    attrs = {
-        "signature": signature,
-        "num_layers": n_layers,
-        "min_fidelity": s.min_fidelity,
-        "target": s.model,
-        "target_fingerprint": target.fingerprint,
-        "draft": s.draft,
-        "draft_fingerprint": draft.fingerprint if draft else None,
-        "dtype": str(target.model.dtype).removeprefix("torch."),
-        "device": dev.type,
-        "matrix_isa": host.matrix_isa(
-            str(dev)
-        ),  # whoever created the study; each measured trial records its own
-        "calibration": {
+    StudyRecord(
+        signature=signature,
+        num_layers=n_layers,
+        min_fidelity=s.min_fidelity,
+        target=s.model,
+        target_fingerprint=target.fingerprint,
+        draft=s.draft,
+        draft_fingerprint=draft.fingerprint if draft else None,
+        dtype=str(target.model.dtype).removeprefix("torch."),
+        device=dev.type,
+        matrix_isa=host.matrix_isa(str(dev)),  # the study creator's; each decoded trial records its own
+        calibration={
             "source": s.data,
             "prompt_ids": [p.id for p in calib],
             "fingerprint": signature["calibration"],
@@ -290,12 +289,10 @@ def run_search(s: SearchSettings) -> dict:
             # What a routed profile's rule reads (viasd_tune.rule), per calibration prompt, so export needs no model.
             "features": [prompt_features(ids.tolist(), p.category) for p, ids in calib_ids],
         },
-        "space_source": space.source,
-        "max_new_tokens": s.max_new_tokens,
-        "storage": redact_url(storage),
-    }
-    for k, v in attrs.items():
-        study.set_user_attr(k, v)
+        space_source=space.source,
+        max_new_tokens=s.max_new_tokens,
+        storage=redact_url(storage),
+    ).write(study)
     spaces.enqueue_known_points(study, space, n_layers, drafters)
 
     refs = _references(target.model, target.tokenizer, calib_ids, s.max_new_tokens, s.progress)
@@ -316,22 +313,24 @@ def run_search(s: SearchSettings) -> dict:
         cfg = spaces.suggest(trial, space, n_layers, drafters, num_layers(draft.model) if draft else None)
         est = replay.simulate(cache, cfg)
         modelled = ar_model_time / max(cost.price(est.calls, cfg.skip, cfg.draft_skip, cfg.drafter), 1e-9)
-        trial.set_user_attr(
-            "estimate", {"fidelity": est.fidelity, "acceptance": est.acceptance, "speedup_modelled": modelled}
-        )
-        trial.set_user_attr("speedup_modelled", modelled)
+        TrialRecord(
+            estimate={"fidelity": est.fidelity, "acceptance": est.acceptance, "speedup_modelled": modelled},
+            speedup_modelled=modelled,
+        ).write(trial)
         screened = None
         if est.fidelity < s.min_fidelity - ESTIMATE_MARGIN:
             screened = "fidelity"
-        elif not _reference_point(trial) and not could_enter_front(study, modelled, est.acceptance):
+        elif not TrialRecord.read(trial).reference and not could_enter_front(study, modelled, est.acceptance):
             screened = "dominated"
         if screened:
-            trial.set_user_attr("measured", False)
-            trial.set_user_attr("screened", screened)  # why it was not decoded for real
-            trial.set_user_attr("fidelity", est.fidelity)
-            trial.set_user_attr("feasible", False)
+            TrialRecord(
+                measured=False,
+                screened=screened,
+                fidelity=est.fidelity,
+                feasible=False,
+                tier_shares=_shares(est),
+            ).write(trial)
             trial.set_constraint("fidelity", s.min_fidelity - est.fidelity)
-            trial.set_user_attr("tier_shares", _shares(est))
             return modelled, est.acceptance
         m = measure(
             target.model,
@@ -344,32 +343,32 @@ def run_search(s: SearchSettings) -> dict:
         )
         if not all(map(_finite, (m.speedup, m.fidelity, m.acceptance))):
             raise RuntimeError("non-finite measurement (the skip set may produce NaNs)")
-        trial.set_user_attr("measured", True)
-        trial.set_user_attr(
-            "matrix_isa", host.matrix_isa(str(target.model.device))
-        )  # speeds differ 3x across hosts
-        trial.set_user_attr("fidelity", m.fidelity)
-        trial.set_user_attr("agreement", m.agreement)
-        trial.set_user_attr("exact_match", m.exact)
-        trial.set_user_attr("feasible", m.fidelity >= s.min_fidelity)
-        trial.set_constraint("fidelity", s.min_fidelity - m.fidelity)
-        trial.set_user_attr("tier_shares", m.tier_shares)
         replayed = _shares(est)
-        trial.set_user_attr("replayed_tier_shares", replayed)
-        trial.set_user_attr("replay_exact", est.exact)  # lossless, or lossy without a wrongly settled token
-        trial.set_user_attr("replay_gap", max(abs(replayed[k] - m.tier_shares[k]) for k in replayed))
-        trial.set_user_attr("tier_time_s", m.tier_time_s)
-        trial.set_user_attr("tokens_per_s", m.tokens_per_s)
-        trial.set_user_attr("ar_tokens_per_s", m.ar_tokens_per_s)
-        trial.set_user_attr("prompt_s_per_token", m.prompt_s_per_token)  # in calibration order
-        trial.set_user_attr("ar_prompt_s_per_token", m.base_prompt_s_per_token)
+        TrialRecord(
+            measured=True,
+            matrix_isa=host.matrix_isa(str(target.model.device)),
+            fidelity=m.fidelity,
+            agreement=m.agreement,
+            exact_match=m.exact,
+            feasible=m.fidelity >= s.min_fidelity,
+            tier_shares=m.tier_shares,
+            replayed_tier_shares=replayed,
+            replay_exact=est.exact,
+            replay_gap=max(abs(replayed[k] - m.tier_shares[k]) for k in replayed),
+            tier_time_s=m.tier_time_s,
+            tokens_per_s=m.tokens_per_s,
+            ar_tokens_per_s=m.ar_tokens_per_s,
+            prompt_s_per_token=m.prompt_s_per_token,
+            ar_prompt_s_per_token=m.base_prompt_s_per_token,
+        ).write(trial)
+        trial.set_constraint("fidelity", s.min_fidelity - m.fidelity)
         return m.speedup, m.acceptance
 
     _optimize(study, objective, s)
     if s.worker:
         return {}
     check = replay_check(study)
-    study.set_user_attr("replay_check", check)
+    StudyRecord(replay_check=check).write(study)
     if check["trials"]:
         log.warning(
             "replay vs decoding: tier shares within %.2f on %d of %d decoded trials (largest gap %.3f)",
@@ -440,21 +439,15 @@ def seed_skip_sets(
 ) -> importance.Importance:
     """Score the sub-layers once per study (kept in the study's user attr, so a resume or another worker reuses
     them) and enqueue the skip sets built from the scores."""
-    stored = study.user_attrs.get(importance.ATTR)
+    stored = StudyRecord.read(study).layer_importance
     if stored:
         imp = importance.Importance.from_dict(stored)
     else:
         imp = importance.measure(target, refs, cost, space, progress=progress)
-        study.set_user_attr(importance.ATTR, imp.to_dict())
+        StudyRecord(layer_importance=imp.to_dict()).write(study)
     n = importance.enqueue_seeds(study, space, n_layers, imp)
     log.info("enqueued %d skip sets built from layer importance", n)
     return imp
-
-
-def _reference_point(trial: optuna.Trial) -> bool:
-    """The enqueued baselines (no skip, plain SD per drafter) are always decoded: every study measures them."""
-    fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params") or {}
-    return "escalate_all" in fixed
 
 
 def could_enter_front(study: optuna.Study, modelled: float, acceptance: float) -> bool:
@@ -463,24 +456,28 @@ def could_enter_front(study: optuna.Study, modelled: float, acceptance: float) -
     the measured trials, and it is ruled out only when a measured feasible trial beats it by ``FRONT_SLACK`` on
     both objectives (the replay and the cost model are approximations)."""
     TS = optuna.trial.TrialState
-    measured = [
-        t
-        for t in study.get_trials(deepcopy=False, states=(TS.COMPLETE,))
-        if t.user_attrs.get("measured") and t.user_attrs.get("feasible")
-    ]
+    records = [(t, TrialRecord.read(t)) for t in study.get_trials(deepcopy=False, states=(TS.COMPLETE,))]
+    measured = [(t, r) for t, r in records if r.measured and r.feasible]
     ratios = [
-        t.values[0] / t.user_attrs["speedup_modelled"]
-        for t in measured
-        if _finite(t.user_attrs.get("speedup_modelled", math.nan)) and t.user_attrs["speedup_modelled"] > 0
+        t.values[0] / r.speedup_modelled
+        for t, r in measured
+        if r.speedup_modelled is not None and _finite(r.speedup_modelled) and r.speedup_modelled > 0
     ]
     predicted = modelled * (statistics.median(ratios) if ratios else 1.0)
     return not any(
         t.values[0] >= predicted * (1 + FRONT_SLACK) and t.values[1] >= acceptance * (1 + FRONT_SLACK)
-        for t in measured
+        for t, _ in measured
     )
 
 
 POLL_S = 0.5  # how often a worker with nothing to start re-reads the study
+
+
+def _retried(trial: optuna.trial.FrozenTrial) -> bool:
+    """A retry that Optuna queued for a trial whose worker died (its heartbeat went stale)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial) is not None
 
 
 def _guarded(objective):
@@ -489,21 +486,20 @@ def _guarded(objective):
     with its reason too (not left RUNNING) and then stops the search."""
 
     def run(trial: optuna.Trial) -> tuple[float, float]:
-        # which machine and process ran it: says whose trials a dead worker left behind
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        TrialRecord(worker=f"{socket.gethostname()}:{os.getpid()}").write(trial)
         try:
             values = objective(trial)
             host.release_memory()
-            trial.set_user_attr("memory_gb", dict(zip(("resident", "peak"), host.memory_gb(), strict=True)))
+            TrialRecord(memory_gb=dict(zip(("resident", "peak"), host.memory_gb(), strict=True))).write(trial)
             if not all(map(_finite, values)):
                 raise RuntimeError(f"non-finite objective values {values}")
             return values
         except KeyboardInterrupt:
-            trial.set_user_attr("fail_reason", "interrupted (Ctrl-C / SIGINT)")
+            TrialRecord(fail_reason="interrupted (Ctrl-C / SIGINT)").write(trial)
             raise
         except Exception as e:
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:500]
-            trial.set_user_attr("fail_reason", reason)
+            TrialRecord(fail_reason=reason).write(trial)
             log.warning("trial %d failed: %s", trial.number, reason, exc_info=log.isEnabledFor(logging.INFO))
             raise
 
@@ -511,20 +507,19 @@ def _guarded(objective):
 
 
 def _reason(last: list[optuna.trial.FrozenTrial]) -> str:
-    return last[0].user_attrs.get("fail_reason", "?") if last else "taken over by another worker"
+    return (TrialRecord.read(last[0]).fail_reason or "?") if last else "taken over by another worker"
 
 
 def _shares(est: replay.Estimate) -> dict[str, float]:
-    return {k: t / max(est.tokens, 1) for k, t in zip(("direct", "slim", "full"), est.tiers, strict=True)}
+    return {k: t / max(est.tokens, 1) for k, t in zip(TIERS, est.tiers, strict=True)}
 
 
 def replay_check(study: optuna.Study) -> dict:
     """How well the replay's tier shares matched real decoding on the decoded trials (``REPLAY_TOLERANCE``)."""
-    gaps = [
-        t.user_attrs["replay_gap"]
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        if "replay_gap" in t.user_attrs
-    ]
+    records = map(
+        TrialRecord.read, study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    )
+    gaps = [r.replay_gap for r in records if r.replay_gap is not None]
     return {
         "tolerance": REPLAY_TOLERANCE,
         "trials": len(gaps),
@@ -539,7 +534,7 @@ def _screened_in_a_row(trials: list[optuna.trial.FrozenTrial]) -> int:
     for t in sorted(trials, key=lambda t: t.number, reverse=True):
         if t.state != optuna.trial.TrialState.COMPLETE:
             continue
-        if t.user_attrs.get("measured"):
+        if TrialRecord.read(t).measured:
             break
         n += 1
     return n
@@ -585,14 +580,17 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
             trials = study.get_trials(deepcopy=False)
             n = collections.Counter(t.state for t in trials)
             finished, running = n[TS.COMPLETE] + n[TS.PRUNED], n[TS.RUNNING]
-            done = sum(1 for t in trials if t.state == TS.COMPLETE and t.user_attrs.get("measured"))
-            retry = any(t.state == TS.WAITING and "failed_trial" in t.system_attrs for t in trials)
+            records = [TrialRecord.read(t) for t in trials]
+            done = sum(
+                1 for t, r in zip(trials, records, strict=True) if t.state == TS.COMPLETE and r.measured
+            )
+            retry = any(t.state == TS.WAITING and _retried(t) for t in trials)
             if (done, running, len(trials)) != progress:
                 progress, idle_since = (done, running, len(trials)), time.time()
             best = [
                 t.values[0]
-                for t in trials
-                if t.state == TS.COMPLETE and t.user_attrs.get("feasible") and t.user_attrs.get("measured")
+                for t, r in zip(trials, records, strict=True)
+                if t.state == TS.COMPLETE and r.feasible and r.measured
             ]
             bar.n = min(done, s.trials)
             bar.set_postfix(

@@ -23,6 +23,7 @@ import yaml
 from ..config import DRAFTERS, GAMMA_MAX, HYBRIDS, KL_KINDS, DecodeConfig, model_drafter
 from ..errors import UserError
 from ..routing import SkipSet
+from .records import TrialRecord
 
 SUBLAYERS = ("attn", "mlp")
 ENCODINGS = ("budget", "per_sublayer")
@@ -184,7 +185,9 @@ class SearchSpace:
         """False when the space skips nothing (``skip.budget.max: 0``): a slim verifier without skipping is the
         full target run twice, so such a space searches plain SD only (drafters, γ, confidence), e.g. for a
         routed profile on a target too small to skip layers."""
-        return not (self.skip.encoding == "budget" and self.skip.budget is not None and self.skip.budget.high == 0)
+        return not (
+            self.skip.encoding == "budget" and self.skip.budget is not None and self.skip.budget.high == 0
+        )
 
 
 # ---------------------------------------------------------------- loading
@@ -509,19 +512,14 @@ def suggest(
             draft_confidence=confidence,
             lookup_min=lookup_min,
         )
-    trial.set_user_attr("config", cfg.to_dict())
+    TrialRecord(config=cfg.to_dict()).write(trial)
     return cfg
 
 
 def _enqueued_escalate_all(trial: optuna.trial.BaseTrial) -> bool:
     """Plain SD (τ_escalate = 0) is a reference point we enqueue, not a region to sample: a free boolean would
     spend about half of every random/TPE warm-up on it. So the parameter exists only in enqueued trials."""
-    fixed: dict[str, Any] = {}
-    if isinstance(trial, optuna.trial.FixedTrial):
-        fixed = trial.params
-    elif isinstance(trial, optuna.trial.Trial):
-        fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params", {})
-    return "escalate_all" in fixed and trial.suggest_categorical("escalate_all", [False, True])
+    return TrialRecord.read(trial).reference and trial.suggest_categorical("escalate_all", [False, True])
 
 
 def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> list[dict[str, Any]]:
@@ -566,7 +564,11 @@ def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> li
     }
     plains = [{**draft(d), "escalate_all": True} for d in available]
     assisted = _assisted_like(space, available, draft)
-    return ([no_skip] if space.slim_tier else []) + plains + ([assisted] if assisted and assisted not in plains else [])
+    return (
+        ([no_skip] if space.slim_tier else [])
+        + plains
+        + ([assisted] if assisted and assisted not in plains else [])
+    )
 
 
 HF_CONFIDENCE = 0.4  # transformers' default assistant_confidence_threshold
@@ -598,10 +600,10 @@ def enqueue_known_points(
     counts failed trials too.)"""
     TS = optuna.trial.TrialState
     live = study.get_trials(deepcopy=False, states=(TS.WAITING, TS.RUNNING, TS.COMPLETE, TS.PRUNED))
-    have = [t.system_attrs.get("fixed_params") for t in live] + [t.params for t in live]
+    have = [TrialRecord.read(t).enqueued for t in live] + [t.params for t in live]
     for params in known_points(space, num_layers, drafters):
         if params not in have:
-            study.enqueue_trial(params)
+            study.enqueue_trial(params, user_attrs=TrialRecord(enqueued=params).attrs())
 
 
 def space_signature(space: SearchSpace, num_layers: int) -> str:
