@@ -18,6 +18,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from viasd_tune import dashboard
+from viasd_tune.dashboard.points import trial_points
 from viasd_tune.errors import UserError
 
 NUM_LAYERS = 8
@@ -201,7 +202,7 @@ def populate(study: optuna.Study, seed: int = 0, export: bool = True) -> int | N
     # Export a middle point of the feasible front, as the knee pick would.
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     front = sorted(
-        (p for p in dashboard._points(complete, MIN_FIDELITY) if p.pareto), key=lambda p: p.speedup
+        (p for p in trial_points(complete, MIN_FIDELITY) if p.pareto), key=lambda p: p.speedup
     )
     chosen = front[len(front) // 2].number
     study.set_user_attr("exported_trial", chosen)
@@ -320,7 +321,7 @@ def test_pareto_marking_matches_the_definition(tmp_path):
     study = new_study()
     populate(study)
     trials = study.get_trials(states=(TrialState.COMPLETE,))
-    points = dashboard._points(trials, MIN_FIDELITY)
+    points = trial_points(trials, MIN_FIDELITY)
     feasible = [p for p in points if p.feasible]
     for p in feasible:
         beaten = any(
@@ -459,7 +460,7 @@ def test_a_replayed_trial_never_joins_the_front(tmp_path):
             system_attrs={"constraints": [-0.05]},
         )
     )
-    points = dashboard._points(study.get_trials(states=(TrialState.COMPLETE,)), MIN_FIDELITY)
+    points = trial_points(study.get_trials(states=(TrialState.COMPLETE,)), MIN_FIDELITY)
     (p,) = [p for p in points if p.speedup == 9.0]
     assert p.feasible and not p.pareto
     assert any(q.pareto for q in points)

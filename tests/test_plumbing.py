@@ -12,7 +12,7 @@ import sys
 import optuna
 import pytest
 
-from viasd_tune import dashboard
+from viasd_tune.dashboard.points import trial_points
 from viasd_tune.errors import UserError
 from viasd_tune.search import storage, workers
 from viasd_tune.search.front import pareto_front
@@ -54,7 +54,7 @@ def test_identical_points_are_both_on_the_front_in_the_given_order():
 def test_dashboard_marks_the_same_front_the_export_writes():
     rng = random.Random(3)
     trials = _trials([(rng.uniform(0.5, 1.5), rng.choice([1.0, 1.5, 2.0])) for _ in range(30)])
-    points = dashboard._points(trials, None)  # no constraints recorded: every trial is feasible
+    points = trial_points(trials, None)  # no constraints recorded: every trial is feasible
     assert {p.number for p in points if p.pareto} == {t.number for t in pareto_front(trials)}
 
 
