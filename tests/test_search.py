@@ -452,7 +452,7 @@ def test_routed_export_from_a_search(searched, tiny_dirs, tmp_path, capsys):
 def test_the_study_starts_from_importance_seeds(searched):
     """The sub-layer scores are kept in the study, and the seed skip sets built from them were the first trials
     after the reference points, with the space's params decoding to exactly those sets."""
-    from viasd_tune.search import importance
+    from viasd_tune.search import importance, params
     from viasd_tune.search import space as spaces
 
     out, _ = searched
@@ -467,7 +467,7 @@ def test_the_study_starts_from_importance_seeds(searched):
     space = spaces.load_space("smoke")
     ran = 0
     for t, skip in zip(seeded, seeds, strict=True):
-        assert TrialRecord.read(t).enqueued == importance.skip_params(space, n_layers, skip)
+        assert TrialRecord.read(t).enqueued == params.skip_params(space, n_layers, skip)
         if t.state == optuna.trial.TrialState.COMPLETE:  # seeds after the last decode asked for stay WAITING
             ran += 1
             assert (t.user_attrs["config"]["skip_attn"], t.user_attrs["config"]["skip_mlp"]) == (

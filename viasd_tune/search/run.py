@@ -35,7 +35,7 @@ from ..fidelity import agreement, greedy_agreement
 from ..profile import calibration_fingerprint, redact_url
 from ..routing import install_skipping, num_layers
 from ..rule import prompt_features
-from . import costmodel, importance, replay
+from . import costmodel, importance, params, replay
 from . import space as spaces
 from .export import export_study
 from .records import TIERS, StudyRecord, TrialRecord
@@ -293,7 +293,7 @@ def run_search(s: SearchSettings) -> dict:
         max_new_tokens=s.max_new_tokens,
         storage=redact_url(storage),
     ).write(study)
-    spaces.enqueue_known_points(study, space, n_layers, drafters)
+    params.enqueue_known_points(study, space, n_layers, drafters)
 
     refs = _references(target.model, target.tokenizer, calib_ids, s.max_new_tokens, s.progress)
     cache = replay.ReplayCache(
@@ -310,7 +310,7 @@ def run_search(s: SearchSettings) -> dict:
         seed_skip_sets(study, target.model, refs, cost, space, n_layers, s.progress)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
-        cfg = spaces.suggest(trial, space, n_layers, drafters, num_layers(draft.model) if draft else None)
+        cfg = params.suggest(trial, space, n_layers, drafters, num_layers(draft.model) if draft else None)
         est = replay.simulate(cache, cfg)
         modelled = ar_model_time / max(cost.price(est.calls, cfg.skip, cfg.draft_skip, cfg.drafter), 1e-9)
         TrialRecord(
