@@ -480,7 +480,7 @@ def test_the_study_starts_from_importance_seeds(searched):
 def test_the_study_records_how_replayed_tier_shares_matched_decoding(searched):
     """Each decoded trial keeps its replayed tier shares beside the measured ones; the study records the tolerance
     and how many decoded trials stayed within it. In fp32 a replay that stayed exact gives decoding's shares."""
-    from viasd_tune.search.run import REPLAY_TOLERANCE, replay_check
+    from viasd_tune.search.screen import REPLAY_TOLERANCE, replay_check
 
     out, _ = searched
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
@@ -503,7 +503,7 @@ def test_the_study_records_how_replayed_tier_shares_matched_decoding(searched):
 def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
     """Trials the screen rejects are replayed only (measured False, with why); the study holds exactly --trials
     decoded ones, and the progress bar shows both counts."""
-    from viasd_tune.search import run
+    from viasd_tune.search import screen
 
     calls = []
 
@@ -511,7 +511,7 @@ def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
         calls.append(modelled)
         return len(calls) % 3 == 0
 
-    monkeypatch.setattr(run, "could_enter_front", every_third)
+    monkeypatch.setattr(screen, "could_enter_front", every_third)
     out = tmp_path / "count"
     run_search(settings(tiny_dirs, out, trials=5, prompts=6, max_new_tokens=6, progress=True))
     study = optuna.load_study(study_name="count", storage=f"sqlite:///{out / 'study.db'}")
@@ -529,11 +529,11 @@ def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
 def test_a_search_with_nothing_worth_decoding_stops(tiny_dirs, tmp_path, monkeypatch, caplog):
     """When the screen rejects every sampled trial, the search still ends: after REPLAYS_PER_DECODE replays
     per decode asked for (at least MIN_REPLAYS), with the reference points decoded and a warning saying so."""
-    from viasd_tune.search import run
+    from viasd_tune.search import loop, screen
 
-    monkeypatch.setattr(run, "could_enter_front", lambda *a: False)
-    monkeypatch.setattr(run, "MIN_REPLAYS", 9)
-    monkeypatch.setattr(run, "REPLAYS_PER_DECODE", 1)
+    monkeypatch.setattr(screen, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(loop, "MIN_REPLAYS", 9)
+    monkeypatch.setattr(loop, "REPLAYS_PER_DECODE", 1)
     out = tmp_path / "capped"
     run_search(settings(tiny_dirs, out, trials=5, prompts=4, max_new_tokens=4))
     study = optuna.load_study(study_name="capped", storage=f"sqlite:///{out / 'study.db'}")
@@ -547,10 +547,10 @@ def test_a_search_with_nothing_worth_decoding_stops(tiny_dirs, tmp_path, monkeyp
 def test_a_search_stops_after_a_run_of_screened_out_trials(tiny_dirs, tmp_path, monkeypatch, caplog):
     """STALE_REPLAYS finished trials in a row screened out end the search (the default search on SmolLM2 once
     replayed 240 dominated trials for 40 min), with the decoded reference points and a warning saying so."""
-    from viasd_tune.search import run
+    from viasd_tune.search import loop, screen
 
-    monkeypatch.setattr(run, "could_enter_front", lambda *a: False)
-    monkeypatch.setattr(run, "STALE_REPLAYS", 4)
+    monkeypatch.setattr(screen, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(loop, "STALE_REPLAYS", 4)
     out = tmp_path / "stale"
     run_search(settings(tiny_dirs, out, trials=5, prompts=4, max_new_tokens=4))
     study = optuna.load_study(study_name="stale", storage=f"sqlite:///{out / 'study.db'}")
@@ -559,7 +559,7 @@ def test_a_search_stops_after_a_run_of_screened_out_trials(tiny_dirs, tmp_path, 
 
 
 def test_a_replayed_trial_is_decoded_only_if_it_could_enter_the_front():
-    from viasd_tune.search.run import FRONT_SLACK, could_enter_front
+    from viasd_tune.search.screen import FRONT_SLACK, could_enter_front
 
     study = optuna.create_study(directions=["maximize", "maximize"])
     assert could_enter_front(study, 0.1, 0.1)  # nothing measured yet: decode
