@@ -70,10 +70,12 @@ def test_storage_opener(tmp_path):
     assert created.directions == [optuna.study.StudyDirection.MAXIMIZE] * 2
     assert storage.open_study(url, "s", seed=0, min_fidelity=0.9)._study_id == created._study_id  # resumed
     assert storage.load_study(url, "s").study_name == "s"
-    with pytest.raises(UserError, match="no study 'other' in that storage; studies there: s"):
+    with pytest.raises(UserError) as e:
         storage.load_study(url, "other")
-    with pytest.raises(UserError, match="'notaurl' is not a storage URL; use sqlite:///"):
+    assert "'other'" in str(e.value) and str(e.value).endswith(": s")  # the one asked for; the one there
+    with pytest.raises(UserError) as e:
         storage.make_storage("notaurl")
+    assert "'notaurl'" in str(e.value) and "sqlite:///" in str(e.value)  # the bad value, and a URL that works
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -134,7 +136,8 @@ def test_worker_main_reads_settings_from_stdin(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(dataclasses.asdict(s))))
     monkeypatch.setattr(workers, "run_search", refuse)
     assert workers.main() == 2
-    assert capsys.readouterr().err == "viasd-tune worker: error: bad thing; fix it\n"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip().endswith("bad thing; fix it")  # one line, the error's own
 
 
 def test_n_jobs_below_one_is_refused(capsys):
