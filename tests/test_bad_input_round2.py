@@ -233,7 +233,7 @@ def test_13_corrected_rerun_after_a_refused_max_new_tokens(tiny_dirs, tmp_path, 
     import viasd_tune.search.run as run
 
     seen = []
-    monkeypatch.setattr(run, "run_search", lambda s: seen.append(s) or {})
+    monkeypatch.setattr(run, "run_search", lambda s, dashboard=None: seen.append(s) or {})
     assert main(search(tiny_dirs, out, "--max-new-tokens", "4")) == 0 and seen[0].max_new_tokens == 4
 
 

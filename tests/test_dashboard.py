@@ -493,6 +493,21 @@ def test_a_replayed_trial_never_joins_the_front(tmp_path):
     assert any(q.pareto for q in points)
 
 
+def test_an_export_with_nothing_to_export_still_writes_the_dashboard(tmp_path):
+    """The search hands its dashboard writer to the export: with no feasible trial the export refuses, after
+    writing the dashboard (the study is still worth looking at); with no complete trial it skips it."""
+    from viasd_tune.search.export import export_study
+
+    study = new_study()
+    study.set_user_attr("min_fidelity", MIN_FIDELITY)
+    study.add_trial(_trial(random.Random(0), 0, infeasible=True))
+    with pytest.raises(UserError, match="no measured trial meeting min fidelity"):
+        export_study(study, tmp_path, dashboard=dashboard.write_beside_profile)
+    assert figure_divs(read_page(tmp_path / "dashboard.html"))[0] == "pareto"
+    assert not (tmp_path / "profile.json").exists()
+    assert dashboard.write_beside_profile(new_study(), tmp_path / "empty", None) is None
+
+
 # ------------------------------------------------------------------------------------------------ loading
 
 

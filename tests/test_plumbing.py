@@ -101,7 +101,7 @@ class _FakeProcess:
 
 def test_run_workers_passes_settings_not_argv(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(workers, "run_search", lambda s: ran.append(s) or {"summary": True})
+    monkeypatch.setattr(workers, "run_search", lambda s, dashboard=None: ran.append(s) or {"summary": True})
     monkeypatch.setattr(subprocess, "Popen", _FakeProcess)
     monkeypatch.setattr(sys, "argv", ["something", "--else", "entirely"])  # not read
     _FakeProcess.started.clear()

@@ -7,6 +7,12 @@ study's records (``search/records.py``), so it needs no model.
 """
 
 from .load import dashboard_from_out_dir, dashboard_from_storage
-from .page import FIG_ID_PREFIX, build_dashboard
+from .page import FIG_ID_PREFIX, build_dashboard, write_beside_profile
 
-__all__ = ["FIG_ID_PREFIX", "build_dashboard", "dashboard_from_out_dir", "dashboard_from_storage"]
+__all__ = [
+    "FIG_ID_PREFIX",
+    "build_dashboard",
+    "dashboard_from_out_dir",
+    "dashboard_from_storage",
+    "write_beside_profile",
+]

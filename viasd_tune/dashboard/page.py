@@ -4,6 +4,7 @@ figure, written as one HTML file that opens offline (plotly.js embedded once, in
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from pathlib import Path
 
 import optuna
@@ -17,8 +18,19 @@ from ..search.records import StudyRecord, TrialRecord
 from . import figures, layer_maps, study_plots
 from .points import Point, decoded, esc, finite, num, study_min_fidelity, trial_points
 
+log = logging.getLogger(__name__)
 FIG_ID_PREFIX = "viasd-fig-"
 WIDTH_PX = 1000
+
+
+def write_beside_profile(study: optuna.Study, out_dir: Path, exported_trial: int | None) -> Path | None:
+    """The study's dashboard in a search's output folder, its exported trial starred; ``None`` (with a warning)
+    when there is nothing to draw yet, so an export never fails on its dashboard."""
+    try:
+        return build_dashboard(study, out_dir / "dashboard.html", exported_trial=exported_trial)
+    except UserError as e:  # e.g. no complete trial yet
+        log.warning("dashboard skipped: %s", e)
+        return None
 
 
 def _slower_banner(study: optuna.Study, exported: Point | None) -> str:

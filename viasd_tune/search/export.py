@@ -7,6 +7,7 @@ import datetime as dt
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 import optuna
 
@@ -18,6 +19,10 @@ from .front import pareto_front
 from .records import StudyRecord, TrialRecord
 
 log = logging.getLogger(__name__)
+# Writes the study's dashboard into a search's output folder (the exported trial starred, or None) and returns
+# its path, or None when there is nothing to draw: viasd_tune.dashboard.write_beside_profile. The dashboard sits
+# above the search (it reads the study's records), so the caller hands it in.
+DashboardWriter: TypeAlias = Callable[[optuna.Study, Path, "int | None"], "Path | None"]
 PICKS = ("auto", "knee", "fastest", "most-faithful", "routed")
 # Calibration speedups this close to the fastest are within run-to-run noise (a few %): among them, the
 # higher acceptance wins (it carries over to other hosts; a wall-clock edge this small may not).
@@ -342,13 +347,15 @@ def export_study(
     out: Path,
     pick: str = "auto",
     evaluate: Callable[[DecodeConfig], dict] | None = None,
+    dashboard: DashboardWriter | None = None,
 ) -> dict:
     """Write ``out/profile.json`` (the pick, held-out metrics when ``evaluate`` is given), every feasible Pareto
-    trial under ``out/pareto/``, the dashboard, and return a summary."""
+    trial under ``out/pareto/``, the dashboard when given its writer, and return a summary."""
     try:
         chosen = pick_trial(study, pick)
     except UserError:
-        _write_dashboard(study, out, None)  # nothing to export, but the study is still worth looking at
+        if dashboard is not None:  # nothing to export, but the study is still worth looking at
+            dashboard(study, out, None)
         raise
     # Finished trials are read-only in Optuna, so held-out metrics live in the study's attrs.
     held = StudyRecord.read(study).held_out.get(chosen.number)
@@ -370,22 +377,12 @@ def export_study(
     for t in front:
         write_profile(out / "pareto" / f"trial-{t.number:04d}.json", build_profile(study, t))
     StudyRecord(exported_trial=chosen.number).write(study)
-    dashboard = _write_dashboard(study, out, chosen.number)
+    page = dashboard(study, out, chosen.number) if dashboard is not None else None
     return {
         "profile": str(out / "profile.json"),
         "trial": chosen.number,
         "pareto": len(front),
         "metrics": profile["metrics"],
         "config": config,
-        "dashboard": str(dashboard) if dashboard else None,
+        "dashboard": str(page) if page else None,
     }
-
-
-def _write_dashboard(study: optuna.Study, out: Path, exported: int | None) -> Path | None:
-    from ..dashboard import build_dashboard
-
-    try:
-        return build_dashboard(study, out / "dashboard.html", exported_trial=exported)
-    except UserError as e:  # e.g. no complete trial yet
-        log.warning("dashboard skipped: %s", e)
-        return None

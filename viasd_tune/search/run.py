@@ -26,7 +26,7 @@ from ..routing import install_skipping, num_layers
 from ..rule import prompt_features
 from . import costmodel, importance, params, replay
 from . import space as spaces
-from .export import export_study
+from .export import DashboardWriter, export_study
 from .loop import optimize
 from .measure import held_out, references
 from .objective import Objective
@@ -39,8 +39,9 @@ __all__ = ["SearchSettings", "run_search", "seed_skip_sets"]
 log = logging.getLogger(__name__)
 
 
-def run_search(s: SearchSettings) -> dict:
-    """Run (or resume) a search and export its pick (held out); returns the export summary."""
+def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> dict:
+    """Run (or resume) a search and export its pick (held out), with the study's dashboard beside the profile
+    when given its writer (``viasd_tune.dashboard.write_beside_profile``); returns the export summary."""
     out = Path(s.out)
     space = spaces.load_space(s.space)  # a bad space is refused before the folder exists
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +113,7 @@ def run_search(s: SearchSettings) -> dict:
             target.model, target.tokenizer, draft_model, cfg, held_ids, s.max_new_tokens, s.progress
         )
 
-    return export_study(study, out, evaluate=evaluate_held_out)
+    return export_study(study, out, evaluate=evaluate_held_out, dashboard=dashboard)
 
 
 def _record_study(
