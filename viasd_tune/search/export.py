@@ -4,7 +4,6 @@ study's own records (so ``viasd-tune export`` needs no models)."""
 from __future__ import annotations
 
 import datetime as dt
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeAlias
@@ -18,7 +17,6 @@ from ..rule import apply_rule, fit_rule, leaves, one_leaf
 from .front import pareto_front
 from .records import StudyRecord, TrialRecord
 
-log = logging.getLogger(__name__)
 # Writes the study's dashboard into a search's output folder (the exported trial starred, or None) and returns
 # its path, or None when there is nothing to draw: viasd_tune.dashboard.write_beside_profile. The dashboard sits
 # above the search (it reads the study's records), so the caller hands it in.
