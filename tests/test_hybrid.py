@@ -418,7 +418,9 @@ def test_search_space_hybrids_and_lookup_min(tmp_path):
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     search_params.enqueue_known_points(study, space, 8, all_drafters)
     configs: list[DecodeConfig] = []
-    study.optimize(lambda t: configs.append(search_params.suggest(t, space, 8, all_drafters)) or 0.0, n_trials=40)
+    study.optimize(
+        lambda t: configs.append(search_params.suggest(t, space, 8, all_drafters)) or 0.0, n_trials=40
+    )
     # The reference points: no skip with the first drafter, then plain SD per drafter, at the lowest lookup_min.
     assert [(c.drafter, c.lookup_min, c.tau_escalate == 0) for c in configs[:4]] == [
         ("lookup+model", 1, False), ("lookup+model", 1, True), ("lookup+self", 1, True), ("lookup", 1, True),
@@ -443,7 +445,9 @@ def test_search_space_hybrids_and_lookup_min(tmp_path):
     # Without the key lookup_min is 1 and not a parameter; the signature of such a space is what it was.
     plain = spaces.load_space(_space(tmp_path, drafter=HYBRIDS))
     assert plain.lookup_min is None
-    cfg = search_params.suggest(optuna.trial.FixedTrial({**params, "drafter": "lookup+model"}), plain, 8, all_drafters)
+    cfg = search_params.suggest(
+        optuna.trial.FixedTrial({**params, "drafter": "lookup+model"}), plain, 8, all_drafters
+    )
     assert cfg.lookup_min == 1
     assert spaces.space_signature(plain, 8) != spaces.space_signature(space, 8)
     default = spaces.load_space("default")

@@ -62,6 +62,7 @@ def _fidelity(trial: FrozenTrial, record: TrialRecord, min_fidelity: float | Non
 
 
 def trial_points(trials: Sequence[FrozenTrial], min_fidelity: float | None) -> list[Point]:
+    """The trials with two finite objectives as points, the feasible decoded ones on the front marked."""
     points = []
     for t in trials:
         values = t.values or []
