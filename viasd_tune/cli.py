@@ -166,11 +166,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .search.cli import add_search_commands
 
-    add_search_commands(sub, _add_model_args)
+    add_search_commands(sub, _add_model_args, _write_dashboard)
+    d = sub.add_parser("dashboard", help="write the Plotly Pareto dashboard of a study")
+    d.add_argument("--out-dir", help="a search output folder (reads its study.db)")
+    d.add_argument("--storage")
+    d.add_argument("--study-name")
+    d.add_argument("--out", help="HTML file (default <out-dir>/dashboard.html)")
+    d.set_defaults(func=cmd_dashboard)
     from .bench.cli import add_bench_command
 
     add_bench_command(sub, _add_model_args, DEFAULT_MODEL)
     return parser
+
+
+def _write_dashboard(study, out_dir, exported):
+    """A search's dashboard beside its profile: the search is below the dashboard, so the CLI hands this in."""
+    from .dashboard import write_beside_profile
+
+    return write_beside_profile(study, out_dir, exported)
+
+
+def cmd_dashboard(args) -> int:
+    from . import dashboard
+    from .fsutil import check_output_file
+
+    if args.out:
+        check_output_file(args.out)
+    if args.out_dir:
+        path = dashboard.dashboard_from_out_dir(args.out_dir, args.out)
+    elif args.storage and args.study_name:
+        path = dashboard.dashboard_from_storage(args.storage, args.study_name, args.out or "dashboard.html")
+    else:
+        raise UserError("give --out-dir, or --storage and --study-name")
+    print(path)
+    return 0
 
 
 # The routing flags of ``generate``: a --profile pins all of them, so giving one with it is an error.
