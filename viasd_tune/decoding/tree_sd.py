@@ -16,6 +16,7 @@ from .common import (
     CachedLM,
     Result,
     Round,
+    RoundHook,
     Sampling,
     Sequence,
     draft_budget,
@@ -110,9 +111,11 @@ def generate(
     gamma: int,
     sampling: Sampling = GREEDY,
     gen: torch.Generator | None = None,
+    on_round: RoundHook | None = None,
 ) -> Result:
     """``full``: the target over its cache; ``drafter`` proposes a tree each round, no deeper than γ or than what
-    max_new_tokens still leaves (besides the target's own token)."""
+    max_new_tokens still leaves (besides the target's own token). ``on_round``: see :func:`run_rounds` (every
+    emitted token is final: the target verified it)."""
     stats = full.stats
 
     def one_round(seq: Sequence) -> Round:
@@ -126,4 +129,4 @@ def generate(
         tokens = [tree.tokens[i] for i in path] + [last]
         return Round(seq.length, tokens, [FULL] * len(tokens))
 
-    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, drafter)
+    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, drafter, on_round=on_round)
