@@ -283,6 +283,12 @@ def test_export_reads_an_older_trials_record():
         (["--draft-confidence", "1"], "draft_confidence (--draft-confidence) must be in [0, 1)"),
         (["--draft-confidence", "nan"], "must be in [0, 1) (got nan)"),
         (["--mode", "ar", "--gamma", "-3"], "gamma must be from 1 to 64"),
+        (["--tree-nodes", "65"], "tree_nodes (--tree-nodes) must be a whole number from 0 to 64"),
+        (["--mode", "viasd", "--tree-nodes", "8"], "mode viasd verifies chains only"),
+        (["--mode", "viasd", "--drafter", "lookup+recycle"], "mode viasd verifies chains only"),
+        (["--mode", "sd", "--drafter", "lookup+self", "--draft-skip-mlp", "1", "--tree-nodes", "4"],
+         "does not build token trees"),
+        (["--mode", "sd", "--drafter", "recycle", "--tree-recycle-width", "0"], "tree_recycle_width"),
     ],
 )
 def test_cli_refuses_bad_values_before_loading_a_model(flags, needle, capsys, monkeypatch):

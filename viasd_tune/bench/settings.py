@@ -26,6 +26,7 @@ class BenchSettings:
     repeats: int = 3
     gamma: int | None = None
     draft_confidence: float = 0.0  # our sd's: stop drafting below this top-1 probability (0: off)
+    tree_nodes: int | None = None  # sd-tree's node budget; given, sd-tree runs by default
     methods: list[str] | None = None
     chat: str = "auto"
     seed: int = 0
@@ -61,6 +62,8 @@ class BenchSettings:
         from ..config import DecodeConfig  # torch: only once a bench really runs, never for --help
 
         DecodeConfig(mode="sd", draft_confidence=self.draft_confidence)  # its one bound and message
+        if self.tree_nodes is not None:
+            DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=self.tree_nodes)  # the same for trees
         if self.chat not in prompts.CHAT_MODES:
             raise UserError(f"--chat must be one of {', '.join(prompts.CHAT_MODES)} (got {self.chat!r})")
         out = Path(self.out)
@@ -87,6 +90,8 @@ def command_line(s: BenchSettings) -> str:
         parts += ["--gamma", str(s.gamma)]
     if s.draft_confidence:
         parts += ["--draft-confidence", f"{s.draft_confidence:g}"]
+    if s.tree_nodes is not None:
+        parts += ["--tree-nodes", str(s.tree_nodes)]
     if s.methods:
         parts += ["--methods", ",".join(s.methods)]
     parts += ["--chat", s.chat, "--seed", str(s.seed), "--dtype", s.dtype, "--device", s.device]
