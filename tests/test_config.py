@@ -286,8 +286,10 @@ def test_export_reads_an_older_trials_record():
         (["--tree-nodes", "65"], "tree_nodes (--tree-nodes) must be a whole number from 0 to 64"),
         (["--mode", "viasd", "--tree-nodes", "8"], "mode viasd verifies chains only"),
         (["--mode", "viasd", "--drafter", "lookup+recycle"], "mode viasd verifies chains only"),
-        (["--mode", "sd", "--drafter", "lookup+self", "--draft-skip-mlp", "1", "--tree-nodes", "4"],
-         "does not build token trees"),
+        (
+            ["--mode", "sd", "--drafter", "lookup+self", "--draft-skip-mlp", "1", "--tree-nodes", "4"],
+            "does not build token trees",
+        ),
         (["--mode", "sd", "--drafter", "recycle", "--tree-recycle-width", "0"], "tree_recycle_width"),
     ],
 )

@@ -62,8 +62,8 @@ class BenchSettings:
         from ..config import DecodeConfig  # torch: only once a bench really runs, never for --help
 
         DecodeConfig(mode="sd", draft_confidence=self.draft_confidence)  # its one bound and message
-        if self.tree_nodes is not None:
-            DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=self.tree_nodes)  # the same for trees
+        if self.tree_nodes is not None:  # the same for the tree's node budget
+            DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=self.tree_nodes)
         if self.chat not in prompts.CHAT_MODES:
             raise UserError(f"--chat must be one of {', '.join(prompts.CHAT_MODES)} (got {self.chat!r})")
         out = Path(self.out)
