@@ -14,7 +14,7 @@ from test_profile import make_profile
 from viasd_tune import config as config_module
 from viasd_tune import models, runtime
 from viasd_tune.cli import main
-from viasd_tune.config import CHAIN_DRAFTERS, DRAFTERS, GAMMA_MAX, KL_KINDS, MODES, DecodeConfig
+from viasd_tune.config import DRAFTERS, GAMMA_MAX, KL_KINDS, MODES, DecodeConfig
 from viasd_tune.errors import UserError
 from viasd_tune.profile import validate_profile
 from viasd_tune.routing import SkipSet
@@ -71,7 +71,7 @@ def test_constants_are_defined_once():
 
     assert decoder.DecodeConfig is DecodeConfig  # bench and older code import it from there
     assert (decoder.MODES, decoder.DRAFTERS, decoder.KL_KINDS) == (MODES, DRAFTERS, KL_KINDS)
-    assert space.CHAIN_DRAFTERS is CHAIN_DRAFTERS and space.KL_KINDS is KL_KINDS  # trees: not searched yet
+    assert space.DRAFTERS is DRAFTERS and space.KL_KINDS is KL_KINDS
     assert not hasattr(space, "TrialConfig")
 
 

@@ -590,3 +590,81 @@ def test_space_without_skipping_searches_plain_sd_only(tmp_path: Path) -> None:
     _, sampled = run_study(space, 8, ALL, n_trials=30)
     assert {c.mode for c in sampled} == {"sd"} and len({c.drafter for c in sampled}) > 1
     assert all(c.skip.is_empty for c in sampled)
+
+
+# ---------------------------------------------------------------- token trees (issue 33)
+
+TREE = {
+    "nodes": [1, 8, 16],
+    "lookup": {"depth": {"low": 4, "high": 8}, "width": {"low": 1, "high": 4}},
+    "recycle": {"depth": {"low": 2, "high": 5}, "width": {"low": 2, "high": 2}},
+    "model": {"depth": {"low": 2, "high": 4}},
+}
+TREE_DRAFTERS = ["lookup", "recycle", "lookup+recycle", "model", "lookup+recycle+model", "self"]
+
+
+def test_tree_params_searched_where_they_have_an_effect(tmp_path: Path) -> None:
+    """Node budgets and each source's depth/width: trees and recycling drafters are plain SD (VIA-SD verifies
+    chains), a source's shape is asked only when the drafter has that source, widths only for a tree, a fixed
+    range is not a param, the self-draft never gets a tree; every configuration is valid."""
+    space = doc_space(tmp_path, tree=TREE, drafter=TREE_DRAFTERS)
+    assert (
+        space.tree.nodes == (1, 8, 16)
+        and space.tree.recycle_width == (2, 2)
+        and space.tree.model_width is None
+    )
+    study, configs = run_study(space, 8, TREE_DRAFTERS + ["lookup+self"], n_trials=150)
+    seen = set()
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        p, parts = trial.params, cfg.drafter.split("+")
+        assert DecodeConfig.from_dict(trial.user_attrs["config"]) == cfg
+        if cfg.drafter == "self":
+            assert "tree_nodes" not in p and cfg.tree_nodes == 1
+            continue
+        assert cfg.tree_nodes == p["tree_nodes"] in (1, 8, 16)
+        if cfg.is_tree:
+            assert cfg.mode == "sd" and cfg.skip.is_empty and "kl" not in p and "tau_escalate" not in p
+            seen.add((cfg.drafter, cfg.tree_nodes > 1))
+        shaped = {k for k in p if k.startswith("tree_") and k != "tree_nodes"}
+        expected = set()
+        if cfg.is_tree:
+            expected |= {f"tree_{s}_depth" for s in ("lookup", "recycle", "model") if s in parts}
+            if cfg.tree_nodes > 1:
+                expected |= {"tree_lookup_width"} if "lookup" in parts else set()
+        assert shaped == expected, (cfg.drafter, cfg.tree_nodes, shaped)
+        assert 4 <= cfg.tree_lookup_depth <= 8 if "tree_lookup_depth" in p else cfg.tree_lookup_depth == 8
+        assert cfg.tree_recycle_width == (
+            2 if "recycle" in parts and cfg.tree_nodes > 1 else 4
+        )  # fixed: no param
+        assert cfg.tree_model_width == DecodeConfig.tree_model_width  # no range: the default
+    assert {("recycle", False), ("recycle", True), ("lookup", True), ("lookup+recycle+model", True)} <= seen
+    assert any(c.mode == "viasd" and c.drafter == "lookup" for c in configs)  # chains still go through VIA-SD
+
+
+def test_tree_reference_points_and_bad_tree_keys(tmp_path: Path) -> None:
+    space = doc_space(tmp_path, tree={**TREE, "nodes": [16, 1]}, drafter=["lookup+recycle", "lookup"])
+    refs = reference_configs(space, 8, ["lookup", "lookup+recycle"])
+    via, *plain = refs
+    assert (via.mode, via.drafter, via.tree_nodes) == (
+        "viasd",
+        "lookup",
+        1,
+    )  # VIA-SD: a chain drafter, a chain
+    assert [(c.mode, c.drafter, c.tree_nodes) for c in plain] == [
+        ("sd", "lookup+recycle", 16),
+        ("sd", "lookup", 16),
+    ]
+    assert plain[0].tree_lookup_depth == 8 and plain[0].tree_recycle_depth == 4  # defaults, inside the ranges
+    for bad, needle in (
+        ({"nodes": [65]}, r"\$\.tree\.nodes\[0\]"),
+        ({"nodes": []}, r"\$\.tree\.nodes"),
+        (
+            {"nodes": [4], "recycle": {"depth": {"low": 5, "high": 2}}},
+            r"\$\.tree\.recycle\.depth: low 5 > high 2",
+        ),
+        ({"nodes": [4], "model": {"width": {"low": 0, "high": 2}}}, r"\$\.tree\.model\.width\.low"),
+        ({"nodes": [4], "bushes": 3}, r"\$\.tree"),
+    ):
+        with pytest.raises(UserError, match=needle) as err:
+            load_space(write(tmp_path, edited(tree=bad)))
+        assert "\n" not in str(err.value)

@@ -34,9 +34,8 @@ KL_KINDS = ("forward", "reverse", "js")
 GAMMA_MAX = 64  # drafted tokens per round; more only costs memory and time (a verify block is γ + 1 tokens)
 TREE_NODES_MAX = 64  # draft nodes per tree (a verify block of 65 tokens costs ~3.5 steps on AVX-512-bf16)
 # The tree fields, each a whole number from 1 to GAMMA_MAX; their flags are --tree-lookup-depth etc.
-TREE_SOURCE_FIELDS = tuple(
-    f"tree_{source}_{what}" for source in ("lookup", "recycle", "model") for what in ("depth", "width")
-)
+TREE_SOURCES = ("lookup", "recycle", "model")  # a tree drafter's sources, named by its parts
+TREE_SOURCE_FIELDS = tuple(f"tree_{source}_{what}" for source in TREE_SOURCES for what in ("depth", "width"))
 
 
 def model_drafter(drafter: str) -> str | None:
@@ -263,7 +262,7 @@ class DecodeConfig:
                         "depth": getattr(self, f"tree_{source}_depth"),
                         "width": getattr(self, f"tree_{source}_width"),
                     }
-                    for source in ("lookup", "recycle", "model")
+                    for source in TREE_SOURCES
                 },
             },
         }
@@ -277,7 +276,7 @@ class DecodeConfig:
         tree = profile.get("tree", {})
         sources = {
             f"tree_{source}_{what}": tree[source][what]
-            for source in ("lookup", "recycle", "model")
+            for source in TREE_SOURCES
             for what in ("depth", "width")
             if what in tree.get(source, {})
         }

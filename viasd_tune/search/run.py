@@ -62,7 +62,8 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
         models.check_same_tokenizer(target, draft)
     n_layers = num_layers(target.model)
     install_skipping(target.model)
-    drafters = ["self", "lookup", "lookup+self"] + (["model", "lookup+model"] if draft else [])
+    drafters = ["self", "lookup", "lookup+self", "recycle", "lookup+recycle"]
+    drafters += ["model", "lookup+model", "lookup+recycle+model"] if draft else []
 
     dev = target.model.device
     ctx = models.context_length(target.model)

@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from ..config import CHAIN_DRAFTERS, GAMMA_MAX, KL_KINDS
+from ..config import DRAFTERS, GAMMA_MAX, KL_KINDS, TREE_NODES_MAX, TREE_SOURCES
 from ..errors import UserError
 
 SUBLAYERS = ("attn", "mlp")
@@ -44,6 +44,16 @@ def _names_schema(choices: tuple[str, ...]) -> dict[str, Any]:
 _FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
 _CONFIDENCE = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}  # DecodeConfig.draft_confidence's range
 _LOOKUP_MIN = {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX}
+
+_WHOLE_RANGE = {  # a tree source's depth or width: whole numbers from low to high
+    "type": "object",
+    "required": ["low", "high"],
+    "additionalProperties": False,
+    "properties": {
+        "low": {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX},
+        "high": {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX},
+    },
+}
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -80,7 +90,7 @@ SCHEMA: dict[str, Any] = {
             "uniqueItems": True,
             "items": {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX},
         },
-        "drafter": _names_schema(CHAIN_DRAFTERS),  # token trees and recycling join with the replay (issue 33)
+        "drafter": _names_schema(DRAFTERS),
         "self_draft": {
             "type": "object",
             "additionalProperties": False,
@@ -112,6 +122,27 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {"low": _LOOKUP_MIN, "high": _LOOKUP_MIN},
         },
+        "tree": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["nodes"],
+            "properties": {
+                "nodes": {
+                    "type": "array",
+                    "minItems": 1,
+                    "uniqueItems": True,
+                    "items": {"type": "integer", "minimum": 1, "maximum": TREE_NODES_MAX},
+                },
+                **{
+                    source: {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"depth": _WHOLE_RANGE, "width": _WHOLE_RANGE},
+                    }
+                    for source in TREE_SOURCES
+                },
+            },
+        },
     },
     "if": {
         "required": ["drafter"],
@@ -124,6 +155,20 @@ _WHY_REQUIRED = {
     "budget": " (needed by skip.encoding: budget)",
     "self_draft": " (needed because drafter lists 'self' or 'lookup+self')",
 }
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Token trees to try (mode sd): node budgets (1: a chain), and each source's depth and width as whole
+    ranges ``(low, high)`` (None: the configuration's default, not searched)."""
+
+    nodes: tuple[int, ...]
+    lookup_depth: tuple[int, int] | None = None
+    lookup_width: tuple[int, int] | None = None
+    recycle_depth: tuple[int, int] | None = None
+    recycle_width: tuple[int, int] | None = None
+    model_depth: tuple[int, int] | None = None
+    model_width: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +214,7 @@ class SearchSpace:
     draft_model_skip_fraction: FloatRange | None = None  # a skip set for the separate draft model
     # The hybrid drafters' lookup_min as an integer range (low, high); None: 1, not searched.
     lookup_min: tuple[int, int] | None = None
+    tree: TreeSpec | None = None  # token trees for the tree drafters; None: chains only
 
     @property
     def slim_tier(self) -> bool:
@@ -320,6 +366,7 @@ def _parse(text: str, source: str) -> SearchSpace:
             raise UserError(
                 f"search space {source}: $.lookup_min: low {lookup_min[0]} > high {lookup_min[1]}; swap or fix them"
             )
+    tree = _tree(data["tree"], source) if "tree" in data else None
     return SearchSpace(
         version=data["version"],
         skip=SkipSpec(
@@ -344,7 +391,21 @@ def _parse(text: str, source: str) -> SearchSpace:
             frange(draft_model["skip_fraction"], "$.draft_model.skip_fraction") if draft_model else None
         ),
         lookup_min=lookup_min,
+        tree=tree,
     )
+
+
+def _tree(data: dict[str, Any], source: str) -> TreeSpec:
+    """The ``tree`` key (schema-valid) as a :class:`TreeSpec`."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for name in TREE_SOURCES:
+        for what, r in data.get(name, {}).items():
+            if r["low"] > r["high"]:
+                raise UserError(
+                    f"search space {source}: $.tree.{name}.{what}: low {r['low']} > high {r['high']}; swap or fix them"
+                )
+            ranges[f"{name}_{what}"] = (int(r["low"]), int(r["high"]))
+    return TreeSpec(nodes=tuple(int(n) for n in data["nodes"]), **ranges)
 
 
 def _one_line(text: str) -> str:
