@@ -2,16 +2,23 @@
 
 The slim verifier (and the self-draft) is the *same* module as the full target: weights are shared, never
 copied. Each decoder layer's ``self_attn`` and ``mlp`` get a thin wrapper, installed once, that reads the skip
-set active on the model (set by :func:`skipping`). A skipped sub-layer returns zeros, so the residual stream
-passes through unchanged (``h + 0``); for Gemma-3 the post-norm of zeros is zero too. A skipped attention never
-touches the KV cache, so the full target, the slim verifier and the self-draft share one :class:`SharedKVCache`.
+set of the forward running in the caller's context (:func:`skipping`, a :class:`contextvars.ContextVar`): the
+model holds no skip state, so one loaded model serves concurrent decoders (threads, asyncio tasks) with
+different skip sets. A forward kwarg cannot carry it: transformers 5 (llama, qwen2, gemma3) passes a decoder
+layer's kwargs to ``self_attn`` but calls ``self.mlp(hidden_states)`` without them. A skipped sub-layer
+returns zeros, so the residual stream passes through unchanged (``h + 0``); for Gemma-3 the post-norm of zeros
+is zero too. A skipped attention never touches the KV cache, so the full target, the slim verifier and the
+self-draft share one :class:`SharedKVCache`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import re
+import threading
+import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -121,44 +128,48 @@ def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 
 
-def _skippable(module: nn.Module, kind: str, layer_idx: int, model: nn.Module) -> None:
-    """Wrap ``module.forward`` so it returns zeros while the model's active skip set names it."""
-    inner = module.forward
+# The sub-layers (module ids) skipped by the forward running in this context; None: every sub-layer runs.
+_ACTIVE: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("viasd_skip", default=None)
+_INSTALL = threading.Lock()
 
-    def forward(hidden_states: torch.Tensor, *args, **kwargs):
-        skip: SkipSet | None = model._viasd_active_skip
-        if skip is not None and layer_idx in getattr(skip, kind):
-            zeros = torch.zeros_like(hidden_states)
-            return (zeros, None) if kind == "attn" else zeros
-        return inner(hidden_states, *args, **kwargs)
 
-    module.forward = forward
+def _skippable_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """A sub-layer's forward: zeros while the forward running in the caller's context skips it."""
+    active = _ACTIVE.get()
+    if active is not None and id(self) in active:
+        zeros = torch.zeros_like(hidden_states)
+        return (zeros, None) if self._viasd_kind == "attn" else zeros
+    return self._viasd_inner(hidden_states, *args, **kwargs)
 
 
 def install_skipping(model: nn.Module) -> None:
-    """Make every attention and MLP sub-layer skippable (idempotent; weights untouched)."""
-    if getattr(model, "_viasd_skippable", False):
-        return
-    for i, layer in enumerate(decoder_layers(model)):
-        _skippable(layer.self_attn, "attn", i, model)
-        _skippable(layer.mlp, "mlp", i, model)
-    model._viasd_active_skip = None
-    model._viasd_skippable = True
+    """Make every attention and MLP sub-layer skippable (idempotent and thread-safe; weights untouched). The
+    wrappers are methods bound to their sub-layer, so a deep copy of the model gets its own."""
+    with _INSTALL:
+        if getattr(model, "_viasd_skippable", False):
+            return
+        for layer in decoder_layers(model):
+            for kind, module in (("attn", layer.self_attn), ("mlp", layer.mlp)):
+                module._viasd_kind, module._viasd_inner = kind, module.forward
+                module.forward = types.MethodType(_skippable_forward, module)
+        model._viasd_skippable = True  # the wrappers are installed; the skip set itself is never stored here
 
 
 @contextlib.contextmanager
 def skipping(model: nn.Module, skip: SkipSet | None) -> Iterator[None]:
-    """Run the model with ``skip`` active inside the block (``None`` or empty: the full model)."""
-    if (skip is None or skip.is_empty) and not getattr(model, "_viasd_skippable", False):
-        yield  # never patched: nothing to switch off
-        return
-    install_skipping(model)
-    previous = model._viasd_active_skip
-    model._viasd_active_skip = None if skip is None or skip.is_empty else skip
+    """Run the forwards of ``model`` inside the block under ``skip`` (``None`` or empty: the full model). The skip
+    set lives in the caller's context only: another thread or task running the same model is unaffected."""
+    active = None
+    if skip is not None and not skip.is_empty:
+        install_skipping(model)
+        layers = decoder_layers(model)
+        attn = {id(layers[i].self_attn) for i in skip.attn}
+        active = frozenset(attn | {id(layers[i].mlp) for i in skip.mlp})
+    token = _ACTIVE.set(active)
     try:
         yield
     finally:
-        model._viasd_active_skip = previous
+        _ACTIVE.reset(token)
 
 
 # The oldest transformers whose models decode through SharedKVCache exactly (5.17-5.23 gave plain SD tokens that
