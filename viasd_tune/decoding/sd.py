@@ -9,7 +9,7 @@ import torch
 from .common import (
     FULL,
     GREEDY,
-    CachedLM,
+    LM,
     Result,
     Round,
     Sampling,
@@ -33,7 +33,7 @@ def verify(
 
 
 def generate(
-    full: CachedLM,
+    full: LM,
     drafter: Drafter,
     seq: Sequence,
     max_new_tokens: int,
