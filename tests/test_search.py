@@ -476,8 +476,9 @@ def test_the_study_starts_from_importance_seeds(searched):
 
 def test_the_study_records_how_replayed_tier_shares_matched_decoding(searched):
     """Each decoded trial keeps its replayed tier shares beside the measured ones; the study records the tolerance
-    and how many decoded trials stayed within it. In fp32 a replay that stayed exact gives decoding's shares."""
-    from viasd_tune.search.run import REPLAY_TOLERANCE, replay_check
+    and how many decoded trials stayed within it. The replay runs the engine, so in fp32 it gives decoding's
+    shares, lossy trials included."""
+    from viasd_tune.search.run import REPLAY_TOLERANCE
 
     out, _ = searched
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
@@ -489,12 +490,9 @@ def test_the_study_records_how_replayed_tier_shares_matched_decoding(searched):
         replayed, measured = t.user_attrs["replayed_tier_shares"], t.user_attrs["tier_shares"]
         assert sum(replayed.values()) == pytest.approx(1.0)
         assert t.user_attrs["replay_gap"] == pytest.approx(max(abs(replayed[k] - measured[k]) for k in replayed))
-        if t.user_attrs["replay_exact"]:
-            assert t.user_attrs["replay_gap"] <= REPLAY_TOLERANCE, t.number
+        assert t.user_attrs["replay_gap"] == 0, t.number
     check = study.user_attrs["replay_check"]
-    assert check == replay_check(study)
-    assert check["tolerance"] == REPLAY_TOLERANCE and check["trials"] == len(decoded)
-    assert check["within"] >= sum(t.user_attrs["replay_exact"] for t in decoded)
+    assert check == {"tolerance": REPLAY_TOLERANCE, "trials": len(decoded), "within": len(decoded), "max_gap": 0}
 
 
 def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
