@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from .. import host, models, prompts
 from ..config import DecodeConfig
 from ..decoding.decoder import Decoder
+from ..decoding.fingerprint import engine_fingerprint
 from ..errors import UserError
 from ..fidelity import agreement, greedy_agreement
 from ..profile import calibration_fingerprint, redact_url
@@ -260,6 +261,7 @@ def run_search(s: SearchSettings) -> dict:
 
     signature = {
         "space": spaces.space_signature(space, n_layers),
+        "engine": engine_fingerprint(),  # trials scored by another engine are not comparable
         "target": target.fingerprint["source"].get("sha256") or target.fingerprint["vocab_sha256"],
         "calibration": calibration_fingerprint([(p.id, p.text) for p in calib]),
         "max_new_tokens": s.max_new_tokens,
