@@ -206,7 +206,7 @@ def test_the_memo_stays_within_its_budget_and_eviction_changes_nothing(models, d
     target, draft = models
     ps = prompts(3, seed=11)
     refs = references(target, ps)
-    budget = 40 * 96 * 4  # 40 fp32 rows of the tiny vocabulary
+    budget = 40 * 96 * 4  # 40 fp32 rows of the tiny vocabulary (about 20 with their keys)
     small = replay.ReplayCache(target, refs, draft, max_new_tokens=MAX_NEW, eos=EOS, budget=budget)
     large = replay.ReplayCache(target, refs, draft, max_new_tokens=MAX_NEW, eos=EOS)
     skips = [SkipSet.of(a, m) for a in ([], [0], [1], [3]) for m in ([], [2], [0, 3])]

@@ -185,7 +185,8 @@ class ReplayCache:
         dtype, rows = self._dtype[stream.model], []
         for j, row in enumerate(logits):
             row = row.to(dtype).clone()  # its own storage: evicting it frees it
-            self.memo.put((stream, tuple(seq[: lo + j + 1])), row, _nbytes(row))
+            prefix = tuple(seq[: lo + j + 1])
+            self.memo.put((stream, prefix), row, _nbytes(row) + 8 * len(prefix))  # the key's pointers too
             rows.append(row)
         return rows[: hi - lo]
 
