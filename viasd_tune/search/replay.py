@@ -15,8 +15,9 @@ A row is keyed by what it depends on (:class:`Stream`, and the token prefix it f
 - the token prefix: row ``p`` holds the logits after ``tokens[: p + 1]``. A tree of candidates verified in
   one forward is served the same way, each node by its path's prefix.
 A miss runs the real forward for the rows asked for, resuming the stream's latest real cache where the prefixes
-agree (a drafter's next token then costs a one-token forward, as in decoding); a full pass's miss along the
-reference teacher-forces the rest of the reference at once (every trial reads those rows). Rows and reference KV snapshots share
+agree (a drafter's next token then costs a one-token forward, as in decoding). Along the reference it
+teacher-forces ahead: a full pass the rest of the reference (every trial reads those rows), a skip pass
+:data:`LOOKAHEAD` more rows (a self-draft's next picks while it follows the target, a later round's slim pass). Rows and reference KV snapshots share
 one LRU bounded in bytes (:data:`MEMO_BYTES`); an evicted entry is recomputed when next needed. Full-vocabulary
 rows are large (Qwen's 151,936 logits: 600 KB in fp32) and the slim verifier's differ per watermark: an earlier
 replay that kept such logits unbounded filled 24 GB in 45 Qwen trials.
@@ -41,6 +42,9 @@ from ..decoding.decoder import Decoder
 from ..routing import KVExtents, SkipSet, num_layers
 from .costmodel import CostModel
 
+# Rows a skip pass's miss on the reference computes beyond those asked: a bf16 CPU forward of 8 tokens costs
+# about one of 1 (SmolLM2-135M: 45 vs 44 ms).
+LOOKAHEAD = 8
 MEMO_BYTES = 1 << 30  # logit rows and KV snapshots kept across trials; a miss recomputes what was evicted
 CURSORS = (
     4  # latest real caches kept to resume a stream's forwards (outside the byte budget: a few sequences' KV)
@@ -170,12 +174,14 @@ class ReplayCache:
         return torch.stack([row.float() for row in out])
 
     def _compute(self, stream: Stream, i: int, tokens: list[int], lo: int, hi: int) -> list[torch.Tensor]:
-        """Run the real pass for rows ``lo … hi - 1`` (a full pass along the reference: to its end), record
-        them and return those asked for, as recorded."""
+        """Run the real pass for rows ``lo … hi - 1`` (and, on the reference, ahead), record them and return
+        those asked for, as recorded."""
         ref = self.tokens[i]
-        # A full pass's rows along the reference are read by every trial: compute the rest of it at once.
-        ahead = stream.watermark is None and _common(tokens[:hi], ref) >= hi
-        seq = ref if ahead else tokens[:hi]
+        seq = tokens[:hi]
+        if _common(seq, ref) == hi:  # on the reference: teacher-force ahead, later rounds and trials read it
+            # A full pass's rows there serve every trial: the rest of the reference at once. A skip pass's serve
+            # rounds at its watermark: a few more rows, which cost a CPU forward little more than one.
+            seq = ref if stream.watermark is None else ref[: hi + LOOKAHEAD]
         lm = self._cursor(stream, i, seq, lo)
         ids = torch.tensor(seq, device=self.target.device)
         if stream.watermark is None:
