@@ -17,10 +17,11 @@ A row is keyed by what it depends on (:class:`Stream`, and the token prefix it f
 A miss runs the real forward for the rows asked for, resuming the stream's latest real cache where the prefixes
 agree (a drafter's next token then costs a one-token forward, as in decoding). Along the reference it
 teacher-forces ahead: a full pass the rest of the reference (every trial reads those rows), a skip pass
-:data:`LOOKAHEAD` more rows (a self-draft's next picks while it follows the target, a later round's slim pass). Rows and reference KV snapshots share
-one LRU bounded in bytes (:data:`MEMO_BYTES`); an evicted entry is recomputed when next needed. Full-vocabulary
-rows are large (Qwen's 151,936 logits: 600 KB in fp32) and the slim verifier's differ per watermark: an earlier
-replay that kept such logits unbounded filled 24 GB in 45 Qwen trials.
+:data:`LOOKAHEAD` more rows (a self-draft's next picks while it follows the target, a later round's slim
+pass). Rows and reference KV snapshots share one LRU bounded in bytes (:data:`MEMO_BYTES`); an evicted entry is
+recomputed when next needed. Full-vocabulary rows are large (Qwen's 151,936 logits: 600 KB in fp32) and the
+slim verifier's differ per watermark: an earlier replay that kept such logits unbounded filled 24 GB in 45 Qwen
+trials.
 
 Greedy only. Exact up to the float rounding of batched against incremental forwards: token for token in fp32;
 in bf16 a near-tie may flip, which is why the search confirms promising trials by real decoding.
@@ -46,9 +47,8 @@ from .costmodel import CostModel
 # about one of 1 (SmolLM2-135M: 45 vs 44 ms).
 LOOKAHEAD = 8
 MEMO_BYTES = 1 << 30  # logit rows and KV snapshots kept across trials; a miss recomputes what was evicted
-CURSORS = (
-    4  # latest real caches kept to resume a stream's forwards (outside the byte budget: a few sequences' KV)
-)
+# Latest real caches kept to resume a stream's forwards (outside the byte budget: a few sequences' KV).
+CURSORS = 4
 
 
 @dataclass
