@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..routing import SharedKVCache, SkipSet, skipping
+from ..routing import KVExtents, SharedKVCache, SkipSet, skipping
 from . import tree as trees
 
 # Tier labels for each emitted token.
@@ -147,29 +147,26 @@ class Sequence:
             self.tiers += tiers
 
 
-class CachedLM:
-    """A causal LM and its one KV cache (:class:`SharedKVCache`), over a prefix of the sequence.
+class LM:
+    """What the engine asks of a causal LM over its one KV cache, whose entry rules are :class:`KVExtents`'.
 
     :meth:`forward` is the full pass (under the cache's base skip set, empty for the target): it feeds every token
     after ``committed``, so a full target that sat out some rounds catches up in one batched forward.
     :meth:`speculate` runs the same model with sub-layers skipped over the same cache: it reads the committed
     entries and feeds only what its running layers have not seen. :meth:`rollback` drops rejected tokens.
+
+    Two implementations: :class:`CachedLM` runs the model; the search's replay (``search/replay.py``) serves
+    forwards recorded earlier and prices them with a cost model. Both count every pass in ``stats``.
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        skip: SkipSet | None = None,
-        tier: str = "full",
-        stats: Stats | None = None,
-        sync: bool = False,
+        self, model: nn.Module, skip: SkipSet | None, tier: str, stats: Stats | None, cache: KVExtents
     ):
         self.model = model
         self.skip = skip or SkipSet()  # the full pass's own skip set (a draft model may run with one)
         self.tier = tier
         self.stats = stats if stats is not None else Stats()
-        self.cache = SharedKVCache(model.config, self.skip)
-        self.sync = sync  # per-tier wall time on CUDA is only honest after a synchronize; off unless asked
+        self.cache = cache
 
     @property
     def committed(self) -> int:
@@ -180,30 +177,25 @@ class CachedLM:
 
     def forward(self, ids: torch.Tensor, keep: int | None = None, tier: str | None = None) -> torch.Tensor:
         """Full pass over ``ids[committed:]`` (``ids``: 1-D, the whole sequence); float logits ``[n_new or keep, V]``."""
-        start = self.cache.begin(None)
-        logits = self._run(ids, start, self.skip, tier or self.tier, keep)
-        self.cache.committed = ids.numel()
-        return logits
+        return self._pass(ids, None, tier or self.tier, keep)
 
     def speculate(self, ids: torch.Tensor, skip: SkipSet, tier: str, keep: int | None = None) -> torch.Tensor:
         """A pass under ``skip`` over the committed entries: feeds only what its running layers have not seen and
         writes speculative entries in those layers alone."""
-        start = self.cache.begin(self.skip | skip)
-        return self._run(ids, start, self.skip | skip, tier, keep)
+        return self._pass(ids, self.skip | skip, tier, keep)
 
-    def _run(self, ids: torch.Tensor, start: int, skip: SkipSet, tier: str, keep: int | None) -> torch.Tensor:
-        new = ids[start:]
-        assert new.numel() > 0, "nothing new to feed"
-        t0 = time.perf_counter()
-        pos = torch.arange(start, ids.numel(), device=ids.device).unsqueeze(0)
-        with skipping(self.model, skip):
-            out = self.model(
-                input_ids=new.unsqueeze(0), position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=keep or 0
-            )
-        if self.sync:
-            torch.cuda.synchronize()
-        self.stats.count(tier, new.numel(), time.perf_counter() - t0)
-        return out.logits[0].float()
+    def _pass(self, ids: torch.Tensor, skip: SkipSet | None, tier: str, keep: int | None) -> torch.Tensor:
+        start = self.cache.begin(skip, ids.numel())
+        logits, seconds = self._logits(ids, start, skip, keep)
+        self.stats.count(tier, ids.numel() - start, seconds)
+        return logits
+
+    def _logits(
+        self, ids: torch.Tensor, start: int, skip: SkipSet | None, keep: int | None
+    ) -> tuple[torch.Tensor, float]:
+        """The float logits of positions ``start …`` of ``ids`` (the last ``keep``, or all) of a pass under ``skip``
+        (its whole skip set; None: the full pass) that feeds ``ids[start:]``, and the seconds it took."""
+        raise NotImplementedError
 
     def forward_tree(
         self, ids: torch.Tensor, tree: trees.Tree, fed: int = 0, tier: str | None = None
@@ -217,41 +209,25 @@ class CachedLM:
         ``[0, fed)`` are already cached behind the committed sequence; feeds nodes ``fed…`` and returns their
         rows ``[n - fed, V]``.
         """
-        pending = ids.numel() - self.committed
-        if pending > 0:
-            assert fed == 0, "tree nodes are cached behind an uncommitted sequence"
-            start = self.cache.begin(None)
-        else:
-            start = self.committed
-        new = torch.cat([ids[start:], torch.tensor(tree.tokens[fed:], dtype=ids.dtype, device=ids.device)])
-        assert new.numel() > 0, "nothing new to feed"
-        queries = pending + tree.n - fed
-        config, dtype = self.model.config, self.model.dtype
-        mask = trees.attention_mask(config, pending, tree, start, queries, dtype, ids.device)
-        pos = trees.positions(pending, tree, start, fed, ids.device)
-        t0 = time.perf_counter()
-        with skipping(self.model, self.skip), trees.widened(self.cache, fed):
-            out = self.model(
-                input_ids=new.unsqueeze(0),
-                position_ids=pos,
-                attention_mask=mask,
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=tree.n - fed + int(pending > 0),
-            )
-        if self.sync:
-            torch.cuda.synchronize()
-        self.stats.count(tier or self.tier, new.numel(), time.perf_counter() - t0)
-        self.cache.committed = ids.numel()
-        return out.logits[0].float()
+        base = self.committed
+        start = self.cache.begin_tree(ids.numel(), tree.n, fed)
+        logits, seconds = self._tree_logits(ids, tree, base, fed)
+        self.stats.count(tier or self.tier, ids.numel() + tree.n - start, seconds)
+        return logits
+
+    def _tree_logits(
+        self, ids: torch.Tensor, tree: trees.Tree, base: int, fed: int
+    ) -> tuple[torch.Tensor, float]:
+        """The float logits of a tree pass (see :meth:`forward_tree`) over a cache that held ``base`` committed
+        tokens before it (and, with ``fed``, that many nodes behind them), and the seconds it took."""
+        raise NotImplementedError
 
     def keep_path(self, cached: int, path: list[int]) -> None:
         """After :meth:`forward_tree`: of the ``cached`` tree nodes behind the committed entries, keep those on
         ``path`` (root to node, ascending) as the sequence's next entries and drop the others; they become
         committed. Gathering them into place is cheaper than rolling back and re-feeding the path
         (benchmarks/tree_compaction.py)."""
-        trees.keep_path(self.cache, self.cache.running(None), cached, path)
-        self.cache.committed += len(path)
+        self.cache.keep_path(cached, path)
 
     def discard(self, skip: SkipSet) -> None:
         """Drop what a pass under ``skip`` wrote beyond the committed entries."""
@@ -260,6 +236,64 @@ class CachedLM:
     def rollback(self, length: int, floor: int | None = None) -> None:
         """Keep the cache for the first ``length`` tokens only (later rollbacks stay at or above ``floor``)."""
         self.cache.rollback(length, floor)
+
+
+class CachedLM(LM):
+    """A causal LM run for real over its :class:`SharedKVCache`. ``clock`` times each pass (wall time; a test may
+    pass ``time.thread_time``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        skip: SkipSet | None = None,
+        tier: str = "full",
+        stats: Stats | None = None,
+        sync: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        super().__init__(model, skip, tier, stats, SharedKVCache(model.config, skip))
+        self.sync = sync  # per-tier wall time on CUDA is only honest after a synchronize; off unless asked
+        self.clock = clock
+
+    def _logits(
+        self, ids: torch.Tensor, start: int, skip: SkipSet | None, keep: int | None
+    ) -> tuple[torch.Tensor, float]:
+        t0 = self.clock()
+        pos = torch.arange(start, ids.numel(), device=ids.device).unsqueeze(0)
+        with skipping(self.model, self.skip if skip is None else skip):
+            out = self.model(
+                input_ids=ids[start:].unsqueeze(0),
+                position_ids=pos,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=keep or 0,
+            )
+        if self.sync:
+            torch.cuda.synchronize()
+        return out.logits[0].float(), self.clock() - t0
+
+    def _tree_logits(
+        self, ids: torch.Tensor, tree: trees.Tree, base: int, fed: int
+    ) -> tuple[torch.Tensor, float]:
+        t0 = self.clock()
+        pending = ids.numel() - base
+        new = torch.cat([ids[base:], torch.tensor(tree.tokens[fed:], dtype=ids.dtype, device=ids.device)])
+        queries = pending + tree.n - fed
+        config, dtype = self.model.config, self.model.dtype
+        mask = trees.attention_mask(config, pending, tree, base, queries, dtype, ids.device)
+        pos = trees.positions(pending, tree, base, fed, ids.device)
+        with skipping(self.model, self.skip), trees.widened(self.cache, fed):
+            out = self.model(
+                input_ids=new.unsqueeze(0),
+                position_ids=pos,
+                attention_mask=mask,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=queries - pending + int(pending > 0),
+            )
+        if self.sync:
+            torch.cuda.synchronize()
+        return out.logits[0].float(), self.clock() - t0
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -404,7 +438,7 @@ def run_rounds(
     seq: Sequence,
     max_new_tokens: int,
     eos_ids: set[int],
-    full: CachedLM,
+    full: LM,
     drafter=None,
     flush: Callable[[Sequence], Round | None] | None = None,
     on_round: RoundHook | None = None,

@@ -1,5 +1,5 @@
-"""Token trees: the type, the attention mask that lets one forward score every node, and the cache compaction
-that keeps only the accepted path.
+"""Token trees: the type and the attention mask that lets one forward score every node (the cache keeps the
+accepted path's entries afterwards: ``SharedKVCache.keep_path``).
 
 A tree hangs below the sequence's last token (the root, not a node). Node ``i`` has a token and a parent index
 (``-1``: the root; otherwise an earlier node), so node order is topological and a chain of γ drafts is the tree
@@ -186,27 +186,3 @@ def widened(cache, extra: int) -> Iterator[None]:
     finally:
         for lay in layers:
             lay.sliding_window -= extra
-
-
-def keep_path(cache, layers: Sequence[int], tail: int, keep: Sequence[int]) -> None:
-    """In each of ``layers``, whose last ``tail`` entries are tree nodes in node order, move the entries of the
-    nodes ``keep`` (a root-to-node path, ascending) right behind the entries before the tree and drop the rest."""
-    m = len(keep)
-    drop = tail - m
-    if tail == 0:
-        return
-    moved = list(keep) != list(range(m))
-    for i in layers:
-        lay = cache.layers[i]
-        if not lay.is_initialized:
-            continue
-        length = lay.keys.shape[-2]
-        if moved:
-            idx = torch.tensor(keep, device=lay.keys.device) + (length - tail)
-            for name in ("keys", "values"):
-                t = getattr(lay, name)
-                t[..., length - tail : length - tail + m, :] = t.index_select(-2, idx)
-        if drop:
-            lay.keys, lay.values = lay.keys[..., : length - drop, :], lay.values[..., : length - drop, :]
-            if lay.is_sliding:
-                lay.cumulative_length -= drop
