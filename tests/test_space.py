@@ -18,7 +18,7 @@ import optuna
 import pytest
 import yaml
 
-from viasd_tune.config import DecodeConfig
+from viasd_tune.config import DecodeConfig, model_drafter
 from viasd_tune.errors import UserError
 from viasd_tune.routing import SkipSet
 from viasd_tune.search.params import enqueue_known_points, evenly_spaced_skip, known_points, suggest
@@ -257,11 +257,10 @@ def check_config(
     draft_layers: int | None = None,
 ) -> None:
     eligible = set(range(space.skip.protect_first, num_layers - space.skip.protect_last))
-    assert (
-        cfg.mode == ("sd" if trial.params.get("escalate_all") else "viasd") and cfg.recheck in space.recheck
-    )
+    plain = trial.params.get("escalate_all") or cfg.is_tree  # token trees are plain SD
+    assert cfg.mode == ("sd" if plain else "viasd") and cfg.recheck in space.recheck
     confidence = space.draft_confidence
-    if cfg.drafter == "lookup":
+    if model_drafter(cfg.drafter) is None:
         assert cfg.draft_confidence == 0.0 and "draft_confidence" not in trial.params
     elif isinstance(confidence, FloatRange):
         assert confidence.low <= cfg.draft_confidence <= confidence.high
@@ -273,7 +272,7 @@ def check_config(
     assert trial.user_attrs["config"] == cfg.to_dict()
     assert DecodeConfig.from_dict(trial.user_attrs["config"]) == cfg
     params = trial.params
-    if params.get("escalate_all"):
+    if plain:
         assert cfg.mode == "sd" and cfg.tau_escalate == 0.0 and cfg.skip.is_empty and not cfg.recheck
         assert "tau_escalate" not in params and "kl" not in params and "recheck" not in params
     else:
@@ -613,6 +612,7 @@ def test_tree_params_searched_where_they_have_an_effect(tmp_path: Path) -> None:
         and space.tree.recycle_width == (2, 2)
         and space.tree.model_width is None
     )
+    assert space.max_block == 17  # 16 nodes and the pending token: the cost curve is measured up to it
     study, configs = run_study(space, 8, TREE_DRAFTERS + ["lookup+self"], n_trials=150)
     seen = set()
     for trial, cfg in zip(study.trials, configs, strict=True):

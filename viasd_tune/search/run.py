@@ -78,7 +78,9 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
     params.enqueue_known_points(study, space, n_layers, drafters)
 
     refs = references(target.model, target.tokenizer, calib_ids, s.max_new_tokens, s.progress)
-    cost = costmodel.fit(target.model, draft.model if draft else None, refs[0].prompt_ids)
+    cost = costmodel.fit(
+        target.model, draft.model if draft else None, refs[0].prompt_ids, max_block=space.max_block
+    )
     cache = replay.ReplayCache(
         target.model,
         refs,

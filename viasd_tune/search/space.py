@@ -215,6 +215,12 @@ class SearchSpace:
     tree: TreeSpec | None = None  # token trees for the tree drafters; None: chains only
 
     @property
+    def max_block(self) -> int:
+        """The largest verify block a trial's round makes: γ drafts, or a token tree's nodes, and the pending token
+        (the cost model measures the target's block-cost curve up to it)."""
+        return max(max(self.gamma), max(self.tree.nodes) if self.tree else 0) + 1
+
+    @property
     def slim_tier(self) -> bool:
         """False when the space skips nothing (``skip.budget.max: 0``): a slim verifier without skipping is the
         full target run twice, so such a space searches plain SD only (drafters, γ, confidence), e.g. for a
