@@ -644,16 +644,18 @@ def test_tree_params_searched_where_they_have_an_effect(tmp_path: Path) -> None:
 def test_tree_reference_points_and_bad_tree_keys(tmp_path: Path) -> None:
     space = doc_space(tmp_path, tree={**TREE, "nodes": [16, 1]}, drafter=["lookup+recycle", "lookup"])
     refs = reference_configs(space, 8, ["lookup", "lookup+recycle"])
+    # VIA-SD: a chain drafter, a chain; plain SD: the recycling drafter's first tree, lookup's chain as before
     via, *plain = refs
-    assert (via.mode, via.drafter, via.tree_nodes) == (
-        "viasd",
-        "lookup",
-        1,
-    )  # VIA-SD: a chain drafter, a chain
+    assert (via.mode, via.drafter, via.tree_nodes) == ("viasd", "lookup", 1)
     assert [(c.mode, c.drafter, c.tree_nodes) for c in plain] == [
         ("sd", "lookup+recycle", 16),
-        ("sd", "lookup", 16),
+        ("sd", "lookup", 1),
     ]
+    # Without a chain in the space, every reference point is a tree (and no VIA-SD point is possible).
+    trees_only = reference_configs(
+        doc_space(tmp_path, tree={"nodes": [4, 8]}, drafter=["lookup"]), 8, ["lookup"]
+    )
+    assert [(c.mode, c.tree_nodes) for c in trees_only] == [("sd", 4)]
     assert plain[0].tree_lookup_depth == 8 and plain[0].tree_recycle_depth == 4  # defaults, inside the ranges
     for bad, needle in (
         ({"nodes": [65]}, r"\$\.tree\.nodes\[0\]"),

@@ -190,9 +190,10 @@ def _tree(ask: _Ask, space: SearchSpace, drafter: str) -> dict[str, int]:
     spec = space.tree
     if spec is None or model_drafter(drafter) == "self":
         return {}
-    nodes = (
-        spec.nodes[0] if len(spec.nodes) == 1 else ask.choice(TREE_NODES, spec.nodes, reference=spec.nodes[0])
-    )
+    # Reference points: a chain drafter's stays today's chain; a recycling drafter's is the first tree listed.
+    tree = next((n for n in spec.nodes if n > 1), spec.nodes[0])
+    reference = 1 if 1 in spec.nodes and drafter not in RECYCLE_DRAFTERS else tree
+    nodes = spec.nodes[0] if len(spec.nodes) == 1 else ask.choice(TREE_NODES, spec.nodes, reference=reference)
     out = {TREE_NODES: nodes}
     if nodes <= 1 and drafter not in RECYCLE_DRAFTERS:
         return out  # a plain chain: the sources' shapes have no effect
