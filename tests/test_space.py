@@ -670,3 +670,25 @@ def test_tree_reference_points_and_bad_tree_keys(tmp_path: Path) -> None:
         with pytest.raises(UserError, match=needle) as err:
             load_space(write(tmp_path, edited(tree=bad)))
         assert "\n" not in str(err.value)
+
+
+def test_a_seeded_skip_set_stays_a_chain_where_the_space_has_trees(tmp_path: Path) -> None:
+    """Seeded skip sets are for VIA-SD, which verifies chains: their params pin a chain, so a sampled tree budget
+    never leaves the skip set unused."""
+    from viasd_tune.search.params import skip_params
+
+    space = doc_space(tmp_path, tree=TREE, drafter=["lookup", "model"])
+    skip = SkipSet.of([2, 3], [4])
+    seeded = skip_params(space, 8, skip)
+    assert seeded["tree_nodes"] == 1
+    fixed = {
+        "drafter": "lookup",
+        "gamma": 4,
+        "kl": "js",
+        "tau_escalate": 1.0,
+        "tau_accept_ratio": 0.5,
+        "recheck": False,
+    }
+    cfg = suggest(optuna.trial.FixedTrial({**fixed, **seeded}), space, 8, ["lookup", "model"])
+    assert (cfg.mode, cfg.tree_nodes, cfg.skip) == ("viasd", 1, skip)
+    assert "tree_nodes" not in skip_params(doc_space(tmp_path), 8, skip)  # a space without trees: as before

@@ -314,13 +314,16 @@ def enqueue(study: optuna.Study, params: dict[str, Any]) -> None:
 def skip_params(space: SearchSpace, num_layers: int, skip: SkipSet) -> dict[str, Any]:
     """The params :func:`suggest` decodes into exactly ``skip`` (an eligible set the space's budget allows),
     the other params left to the sampler; budget encoding: the matching fraction, and scores that rank the
-    chosen sub-layers first."""
+    chosen sub-layers first. A chain where the space has trees: VIA-SD verifies chains, so a tree would leave the
+    skip set unused."""
+    tree = space.tree
+    chain = {TREE_NODES: 1} if tree is not None and len(tree.nodes) > 1 and 1 in tree.nodes else {}
     slots = _slots(space, _eligible_layers(space, num_layers))
     chosen = [(i, k) for i, k in slots if i in getattr(skip, k)]
     if len(chosen) != len(skip.attn) + len(skip.mlp):
         raise ValueError(f"skip set {skip.to_dict()} names sub-layers the space {space.source} may not skip")
     if space.skip.encoding == "per_sublayer":
-        return {skip_switch(i, k): (i, k) in chosen for i, k in slots}
+        return {**chain, **{skip_switch(i, k): (i, k) in chosen for i, k in slots}}
     assert space.skip.budget is not None
     frac = min(max(len(chosen) / len(slots), space.skip.budget.low), space.skip.budget.high)
     if round(frac * len(slots)) != len(chosen):
@@ -328,7 +331,7 @@ def skip_params(space: SearchSpace, num_layers: int, skip: SkipSet) -> dict[str,
     on = set(chosen)
     # The chosen sub-layers outscore the rest, so they are the round(frac * slots) ranked first.
     scores = {skip_score(i, k): 0.75 if (i, k) in on else 0.25 for i, k in slots}
-    return {SKIP_FRAC: frac, **scores}
+    return {**chain, SKIP_FRAC: frac, **scores}
 
 
 # ---------------------------------------------------------------- helpers
