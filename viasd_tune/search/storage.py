@@ -11,26 +11,27 @@ from pathlib import Path
 
 import optuna
 
+from ..credentials import check_storage, redact, scrub
 from ..errors import UserError
-from ..profile import redact_url
 
 
-def open_study(storage: str, name: str, seed: int, min_fidelity: float) -> optuna.Study:
+def open_study(storage, name: str, seed: int, min_fidelity: float) -> optuna.Study:
     """Create or resume a two-objective study (speedup, acceptance) with fidelity as a constraint (each trial
-    records it with ``trial.set_constraint``; the bound itself is the study's user attr ``min_fidelity``)."""
+    records it with ``trial.set_constraint``; the bound itself is the study's user attr ``min_fidelity``).
+    ``storage``: a URL, or a storage :func:`make_storage` already opened."""
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.set_constraint values
+    url = storage if isinstance(storage, str) else getattr(storage, "url", "")
     try:
         return optuna.create_study(
-            storage=make_storage(storage),
+            storage=make_storage(storage) if isinstance(storage, str) else storage,
             study_name=name,
             directions=["maximize", "maximize"],
             sampler=sampler,
             load_if_exists=True,
         )
     except (optuna.exceptions.StorageInternalError, ImportError, ValueError) as e:
-        raise UserError(
-            f"cannot open Optuna storage {redact_url(storage)}: {str(e).splitlines()[0]}"
-        ) from None
+        first = scrub((str(e).splitlines() or [type(e).__name__])[0], [url])
+        raise UserError(f"cannot open Optuna storage {redact(url)}: {first}") from None
 
 
 def make_storage(url: str):
@@ -39,12 +40,8 @@ def make_storage(url: str):
     ``VIASD_HEARTBEAT_INTERVAL`` / ``VIASD_GRACE_PERIOD`` (seconds) override the 30 s / 90 s defaults: a
     dead worker's trial is retried ``grace`` seconds after its last heartbeat, so tests use a few seconds.
     """
-    if "://" not in url:
-        raise UserError(
-            f"--storage {redact_url(url)!r} is not a storage URL; use sqlite:///path/to/study.db or "
-            "postgresql://user@host/db"
-        )
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+    check_storage(url)  # before any driver sees it
+    from optuna.storages import RDBStorage
 
     interval, grace = env_seconds("VIASD_HEARTBEAT_INTERVAL", 30), env_seconds("VIASD_GRACE_PERIOD", 90)
 
@@ -55,7 +52,7 @@ def make_storage(url: str):
                 _with_driver(url),
                 heartbeat_interval=interval,
                 grace_period=grace,
-                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
+                heartbeat_stale_trial_callback=RetryStaleTrial(max_retry=2),
                 engine_kwargs={} if url.startswith("sqlite") else {"pool_pre_ping": True},
             )
 
@@ -74,8 +71,32 @@ def make_storage(url: str):
                 "its database driver is not installed (for PostgreSQL: pip install 'viasd-tune[postgres]')"
             )
         # Driver messages can quote the URL, and so its password: never print that.
-        first = first.replace(url, redact_url(url)).replace(_with_driver(url), redact_url(url))
-        raise UserError(f"cannot open Optuna storage {redact_url(url)}: {first}") from None
+        first = scrub(first, [url, _with_driver(url)])
+        raise UserError(f"cannot open Optuna storage {redact(url)}: {first}") from None
+
+
+class RetryStaleTrial:
+    """Re-queue a trial whose worker died (its heartbeat went stale) with the same params, as Optuna's
+    ``RetryHeartbeatStaleTrialCallback`` does (same ``failed_trial`` / ``retry_history`` system attrs, at most
+    ``max_retry`` retries), but without the dead trial's user attrs: Optuna copies them, so a retry showed the dead
+    worker's name and whatever partial results it had recorded until its own worker overwrote them, and a retry
+    screened out by the replay kept the dead trial's measurements."""
+
+    def __init__(self, max_retry: int):
+        self.max_retry = max_retry
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        system_attrs = {"failed_trial": trial.number, "retry_history": [], **trial.system_attrs}
+        system_attrs["retry_history"] = [*system_attrs["retry_history"], trial.number]
+        if len(system_attrs["retry_history"]) > self.max_retry:
+            return
+        retry = optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            params=trial.params,
+            distributions=trial.distributions,
+            system_attrs=system_attrs,
+        )
+        study.add_trial(retry)
 
 
 def _with_driver(url: str) -> str:
