@@ -29,16 +29,18 @@ from tqdm.auto import tqdm
 
 from .. import host, models, prompts
 from ..config import DecodeConfig
+from ..credentials import check_storage, redact
 from ..decoding.decoder import Decoder
 from ..errors import UserError
 from ..fidelity import agreement, greedy_agreement
-from ..profile import calibration_fingerprint, redact_url
+from ..fsutil import check_outputs_spare_inputs
+from ..profile import calibration_fingerprint
 from ..routing import install_skipping, num_layers
 from ..rule import prompt_features
 from . import costmodel, importance, replay
 from . import space as spaces
 from .export import export_study
-from .storage import env_seconds, open_study
+from .storage import env_seconds, make_storage, open_study, sqlite_file
 
 log = logging.getLogger(__name__)
 ESTIMATE_MARGIN = 0.03  # trials estimated this far below min fidelity are not worth decoding for real
@@ -106,15 +108,27 @@ class SearchSettings:
         out = Path(self.out)
         if out.exists() and not out.is_dir():
             raise UserError(f"--out {out} is a file, not a folder; pass a folder for the search's outputs")
-        if self.storage is not None and (not isinstance(self.storage, str) or "://" not in self.storage):
-            raise UserError(
-                f"--storage {redact_url(str(self.storage))!r} is not a storage URL; use "
-                "sqlite:///path/to/study.db or postgresql://user@host/db"
-            )
+        if self.storage is not None:
+            check_storage(self.storage)
         if self.study_name is not None and (
             not isinstance(self.study_name, str) or not self.study_name.strip()
         ):
             raise UserError(f"--study-name must be a non-empty name (got {self.study_name!r})")
+        prompts.check_source(self.data, self.data_field)
+        self._check_outputs_spare_inputs()
+
+    def _check_outputs_spare_inputs(self) -> None:
+        """The files the search writes into ``out`` must not be its data, space or study database."""
+        out = Path(self.out)
+        written = [(f"--out's {name}", out / name) for name in ("profile.json", "dashboard.html")]
+        if self.storage is None:
+            written.append(("--out's study.db", out / "study.db"))
+        read = [
+            ("--data", prompts.data_file(self.data)),
+            ("--space", spaces.space_file(self.space)),
+            ("--storage", sqlite_file(self.storage) if self.storage else None),
+        ]
+        check_outputs_spare_inputs(written, read, folders=[("--out's pareto/", out / "pareto")])
 
 
 MAX_PROMPTS = 100_000
@@ -226,9 +240,10 @@ def _references(target, tokenizer, items, max_new_tokens: int, progress: bool) -
 
 def run_search(s: SearchSettings) -> dict:
     """Run (or resume) a search and export its pick (held out); returns the export summary."""
+    # Everything that can refuse runs before the output folder or the study exists (a refused run leaves
+    # nothing behind, so its corrected re-run is not refused as "a different space").
     out = Path(s.out)
-    space = spaces.load_space(s.space)  # a bad space is refused before the folder exists
-    out.mkdir(parents=True, exist_ok=True)
+    space = spaces.load_space(s.space)
     storage = s.storage or f"sqlite:///{(out / 'study.db').resolve()}"
     study_name = s.study_name or out.name
 
@@ -237,7 +252,9 @@ def run_search(s: SearchSettings) -> dict:
     # categories would take 8 of every 13 prompts and leave the other groups one or two each.
     items = prompts.sample_prompts(items, s.prompts, s.seed, key=prompts.prompt_task_group)
     calib, held = prompts.split_calibration(items, s.held_out, s.seed)
-    study = open_study(storage, study_name, s.seed, s.min_fidelity)  # before loading models: fail fast
+    db = sqlite_file(storage)
+    # A storage server is reached before the models load (fail fast); a new SQLite file waits for the checks.
+    opened = make_storage(storage) if db is None or db.is_file() else None
 
     target = models.load(s.model, s.dtype, s.device, s.trust_remote_code)
     draft = None
@@ -245,8 +262,8 @@ def run_search(s: SearchSettings) -> dict:
         draft = models.load(s.draft, s.dtype, s.device, s.trust_remote_code)
         models.check_same_tokenizer(target, draft)
     n_layers = num_layers(target.model)
-    install_skipping(target.model)
     drafters = ["self", "lookup", "lookup+self"] + (["model", "lookup+model"] if draft else [])
+    spaces.known_points(space, n_layers, drafters)  # the space fits this model and these drafters
 
     dev = target.model.device
     ctx = models.context_length(target.model)
@@ -256,6 +273,9 @@ def run_search(s: SearchSettings) -> dict:
         return list(zip(items, ids, strict=True))
 
     calib_ids, held_ids = encoded(calib), encoded(held)
+    out.mkdir(parents=True, exist_ok=True)
+    study = open_study(opened or storage, study_name, s.seed, s.min_fidelity)
+    install_skipping(target.model)
 
     signature = {
         "space": spaces.space_signature(space, n_layers),
@@ -292,7 +312,7 @@ def run_search(s: SearchSettings) -> dict:
         },
         "space_source": space.source,
         "max_new_tokens": s.max_new_tokens,
-        "storage": redact_url(storage),
+        "storage": redact(storage),
     }
     for k, v in attrs.items():
         study.set_user_attr(k, v)
@@ -565,7 +585,7 @@ def _optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
 
     One trial per ``study.optimize`` call, so each start re-reads the study: a trial another worker is running
     counts as on its way (no overshoot); a trial whose worker died is failed once its heartbeat is stale and
-    re-queued (RetryHeartbeatStaleTrialCallback), and such a retry is run even past the count, the study owes
+    re-queued (storage.RetryStaleTrial), and such a retry is run even past the count, the study owes
     it; a worker with nothing left to start waits for the others' running trials, so none is left RUNNING and
     the exporting process sees every result. Failed trials do not count, so they are replaced.
     """
