@@ -98,8 +98,9 @@ def validate_rule(rule: Any, n_configs: int) -> dict[str, Any]:
                 isinstance(cats, list) and cats and all(isinstance(c, str) for c in cats)
             ):
                 raise _bad(f'nodes[{i}] splits on category: it needs "in" (a list of names), "left", "right"')
+            # The rule reads the task group (prompt_features), so a raw MT-bench name could never match.
             raw = next((c for c in cats if task_group(c) != c), None)
-            if raw is not None:  # prompt_features gives the rule the task group, so this branch is unreachable
+            if raw is not None:
                 raise _bad(
                     f"nodes[{i}].in lists {raw!r}, a raw MT-bench category; a rule reads task groups, where "
                     f"{raw!r} is {task_group(raw)!r}: list that instead"
