@@ -35,21 +35,33 @@ REPO = Path(__file__).resolve().parents[1]
 PASSWORD = "s3cret-pw"  # in the PostgreSQL URL (the test server trusts loopback, so it is never checked)
 
 # `viasd-tune ARGS`, each trial held at its start (before its replay estimate is recorded) for TEST_TRIAL_DELAY
-# seconds, and for as long as the file TEST_HOLD_FILE exists (marked by TEST_HOLD_FILE.held), so a test can signal a
-# worker while it is surely mid-trial: a fixed delay alone raced (a loaded host let the trial move on between the
-# test's look and its kill).
+# seconds, and for as long as the file TEST_HOLD_FILE exists (marked by TEST_HOLD_FILE.held, which holds the held
+# trial's number), so a test can signal a worker while it is surely mid-trial: a fixed delay alone raced (a loaded
+# host let the trial move on between the test's look and its kill). The test must take the trial's number from the
+# marker, not guess it from the study: a retry of a trial carried that trial's user attrs (its worker's name
+# included, Optuna copies them) until its own worker overwrote them, and the test once took such a retry, run by a
+# survivor, for the victim's trial.
 SLOW_CLI = """
 import os, signal, sys, time
 # Ctrl-C raises KeyboardInterrupt even where the test runner was started in the background (a shell without job
 # control starts it with SIGINT ignored, and the child would inherit that and finish instead of stopping).
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from viasd_tune.search import replay
+from viasd_tune.search import replay, space
+current = {}
+_suggest = space.suggest
+def suggest(trial, *args, **kwargs):
+    current["trial"] = trial.number
+    return _suggest(trial, *args, **kwargs)
+space.suggest = suggest
 _simulate = replay.simulate
 def simulate(*args, **kwargs):
     end, hold = time.time() + float(os.environ["TEST_TRIAL_DELAY"]), os.environ.get("TEST_HOLD_FILE")
     while True:
         if hold and os.path.exists(hold):
-            open(hold + ".held", "w").close()  # a trial here now stays here: the test may signal
+            if not os.path.exists(hold + ".held"):  # a trial here now stays here: the test may signal
+                with open(hold + ".held.tmp", "w") as f:
+                    f.write(str(current.get("trial", -1)))
+                os.replace(hold + ".held.tmp", hold + ".held")
         elif time.time() >= end:
             break
         time.sleep(0.05)
@@ -115,16 +127,15 @@ def _wait_trials(storage, name, proc, tmp, tag, ready, timeout=150.0) -> None:
 
 def _wait_held(storage, name, proc, tmp, tag, hold: Path) -> optuna.trial.FrozenTrial:
     """The trial ``proc`` runs once it is held at its start by the file ``hold`` (which must exist): it stays there
-    until the file goes, so a signal sent now surely lands mid-trial."""
+    until the file goes, so a signal sent now surely lands mid-trial. Its number is the one the marker holds."""
     marker = Path(f"{hold}.held")
     _wait_trials(storage, name, proc, tmp, tag, lambda _: marker.exists())
-    running = [  # read after the marker: the process is stuck in that trial now
-        t
-        for t in _trials(storage, name)
-        if t.state == TS.RUNNING and t.user_attrs.get("worker", "").endswith(f":{proc.pid}")
-    ]
-    assert len(running) == 1 and "config" in running[0].user_attrs and "estimate" not in running[0].user_attrs
-    return running[0]
+    (held,) = [t for t in _trials(storage, name) if t.number == int(marker.read_text())]
+    # Its own worker's, mid-trial. (RUNNING is not asserted: on a loaded host a starved worker's heartbeat can go
+    # stale within the tests' 5 s grace period, and another worker fail it, while the process still holds it.)
+    assert held.user_attrs["worker"].endswith(f":{proc.pid}") and "estimate" not in held.user_attrs
+    print(f"held trial {held.number} was {held.state.name} when read")  # FAIL: stale while held (see with -s)
+    return held
 
 
 # ---------------------------------------------------------------------------------------------- PostgreSQL
@@ -364,3 +375,34 @@ def test_a_stalled_worker_whose_trial_was_taken_over_carries_on(tmp_path, caplog
     search_run._optimize(study, objective, SearchSettings(model="unused", trials=2, progress=False))
     assert [t.state for t in study.trials] == [TS.FAIL, TS.COMPLETE, TS.COMPLETE]
     assert any("taken over" in r.getMessage() for r in caplog.records)
+
+
+def test_a_dead_workers_retry_starts_clean(tmp_path, monkeypatch):
+    """Issue 31, item 8: the retry of a trial failed as stale carried that trial's user attrs (Optuna's retry
+    callback copies them): the dead worker's name, its config and any partial measurements, until the retry's own
+    worker overwrote them; the killed-worker test once took such a retry, RUNNING in a survivor, for the victim's
+    trial and then found it COMPLETE. The retry now holds the same params and retry history, and no user attrs."""
+    from viasd_tune.search.storage import RetryStaleTrial
+
+    monkeypatch.setenv("VIASD_HEARTBEAT_INTERVAL", "1")
+    monkeypatch.setenv("VIASD_GRACE_PERIOD", "1")
+    storage = make_storage(f"sqlite:///{tmp_path / 'study.db'}")
+    study = optuna.create_study(storage=storage, directions=["maximize", "maximize"])
+    trial = study.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    trial.set_user_attr("worker", "host:123")
+    trial.set_user_attr("agreement", 0.5)  # a partial measurement of the dead trial
+    storage.record_heartbeat(trial._trial_id)
+    time.sleep(3)  # past the 1 s grace period (SQLite's clock ticks in whole seconds)
+    optuna.storages.fail_stale_trials(study)
+    dead, retry = study.trials
+    assert dead.state == TS.FAIL and retry.state == TS.WAITING
+    assert retry.user_attrs == {} and retry.params == dead.params
+    assert retry.system_attrs["failed_trial"] == 0 and retry.system_attrs["retry_history"] == [0]
+    # a retry of the retry keeps the history; past max_retry none is queued
+    callback = RetryStaleTrial(max_retry=2)
+    callback(study, study.trials[1])
+    again = study.trials[2].system_attrs
+    assert again["retry_history"] == [0, 1] and again["failed_trial"] == 0
+    callback(study, study.trials[2])
+    assert len(study.trials) == 3
