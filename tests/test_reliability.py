@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -388,13 +389,17 @@ def test_a_dead_workers_retry_starts_clean(tmp_path, monkeypatch):
     monkeypatch.setenv("VIASD_GRACE_PERIOD", "1")
     storage = make_storage(f"sqlite:///{tmp_path / 'study.db'}")
     study = optuna.create_study(storage=storage, directions=["maximize", "maximize"])
-    trial = study.ask()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trial = study.ask()
     trial.suggest_float("x", 0.0, 1.0)
     trial.set_user_attr("worker", "host:123")
     trial.set_user_attr("agreement", 0.5)  # a partial measurement of the dead trial
     storage.record_heartbeat(trial._trial_id)
     time.sleep(3)  # past the 1 s grace period (SQLite's clock ticks in whole seconds)
-    optuna.storages.fail_stale_trials(study)
+    with warnings.catch_warnings():  # experimental API; and heartbeats outside Study.optimize, as a test
+        warnings.simplefilter("ignore")
+        optuna.storages.fail_stale_trials(study)
     dead, retry = study.trials
     assert dead.state == TS.FAIL and retry.state == TS.WAITING
     assert retry.user_attrs == {} and retry.params == dead.params
