@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model
+from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model, valid_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,10 +137,10 @@ def lossless_configs(draw) -> DecodeConfig:
     gamma, drafter, draft_skip = draw(gammas), draw(drafters), draw(nonempty_skip_sets)
     kind = draw(st.sampled_from(["sd", "viasd-escalate0", "viasd-empty-skip", "viasd-recheck"]))
     if kind == "sd":
-        return DecodeConfig(mode="sd", gamma=gamma, drafter=drafter, draft_skip=draft_skip)
+        return valid_config(mode="sd", gamma=gamma, drafter=drafter, draft_skip=draft_skip)
     if kind == "viasd-recheck":  # any skip set and thresholds: the target re-checks whatever the others settle
         tau_accept, tau_escalate = draw(thresholds())
-        return DecodeConfig(
+        return valid_config(
             mode="viasd",
             gamma=gamma,
             drafter=drafter,
@@ -158,7 +158,7 @@ def lossless_configs(draw) -> DecodeConfig:
     else:  # the slim verifier is the target itself; nothing is accepted without it (τ_accept = 0)
         tau = (0.0, draw(st.one_of(st.floats(0.0, 6.0, allow_nan=False), st.just(INF))))
         skip = SkipSet()
-    return DecodeConfig(
+    return valid_config(
         mode="viasd",
         gamma=gamma,
         drafter=drafter,
@@ -194,7 +194,7 @@ def test_lossless_configs_equal_greedy_ar(arch, prompt, config, n, eos):
 def any_configs(draw) -> DecodeConfig:
     mode = draw(st.sampled_from(["ar", "sd", "viasd", "viasd"]))
     tau_accept, tau_escalate = draw(thresholds())
-    return DecodeConfig(
+    return valid_config(
         mode=mode,
         gamma=draw(gammas),
         drafter=draw(drafters),
@@ -220,7 +220,8 @@ def any_configs(draw) -> DecodeConfig:
     seed=st.integers(0, 2**31 - 1),
 )
 def test_stats_add_up(arch, prompt, config, n, eos, temperature, top_p, seed):
-    result = decode(arch, config, prompt, n, eos, temperature=temperature, top_p=top_p, seed=seed)
+    sampling = {"top_p": top_p, "seed": seed} if temperature else {}  # greedy reads neither (and refuses them)
+    result = decode(arch, config, prompt, n, eos, temperature=temperature, **sampling)
     s, ids, tiers = result.stats, result.token_ids, result.tiers
     assert len(ids) == len(tiers) == s.new_tokens
     assert 1 <= s.new_tokens <= n
@@ -269,7 +270,7 @@ def test_stats_add_up(arch, prompt, config, n, eos, temperature, top_p, seed):
 def test_infinite_thresholds_accept_every_draft(arch, prompt, gamma, drafter, draft_skip, skip, kl, n):
     """Each round: the drafter's k ≤ γ proposals, all accepted directly, then the slim verifier's greedy token
     after them. A round with no proposal (lookup without a match) gets one token from a verifier."""
-    config = DecodeConfig(
+    config = valid_config(
         mode="viasd",
         gamma=gamma,
         drafter=drafter,

@@ -105,18 +105,19 @@ def test_replay_matches_decoding(models, drafter: str) -> None:
     rng.shuffle(grid)
     for skip, (ta, te), gamma, kl, recheck in grid[:20]:
         confidence = rng.choice([0.0, 0.0, 0.3, 0.6]) if drafter != "lookup" else 0.0
+        draft_skip, lookup_min = rng.choice(draft_skips), rng.choice([1, 2, 4])  # drawn for all: same grid
         cfg = DecodeConfig(
             mode="viasd",
             gamma=gamma,
             drafter=drafter,
             skip=skip,
-            draft_skip=rng.choice(draft_skips),
+            draft_skip=draft_skip,
             tau_accept=ta,
             tau_escalate=te,
             kl=kl,
             recheck=recheck,
             draft_confidence=confidence,
-            lookup_min=rng.choice([1, 2, 4]),
+            lookup_min=lookup_min if "+" in drafter else 1,  # the hybrids' only
         )
         results = decode(target, draft, cfg, ps)
         if any(r.token_ids != ref.output for r, ref in zip(results, cache.refs, strict=True)):
@@ -142,7 +143,8 @@ def test_replay_matches_plain_sd(models, drafter: str) -> None:
     ps = prompts(4, seed=3)
     cache = replay.ReplayCache(target, references(target, ps), draft, max_new_tokens=MAX_NEW, eos=EOS)
     draft_skip = SkipSet.of([1, 2], [1, 2]) if drafter.endswith("self") else SkipSet()
-    for mode, gamma, confidence in itertools.product(["sd", "viasd"], [1, 4, 7], [0.0, 0.5]):
+    confidences = [0.0] if drafter == "lookup" else [0.0, 0.5]  # prompt lookup has no confidence
+    for mode, gamma, confidence in itertools.product(["sd", "viasd"], [1, 4, 7], confidences):
         cfg = DecodeConfig(
             mode=mode, gamma=gamma, drafter=drafter, draft_skip=draft_skip, draft_confidence=confidence
         )
