@@ -412,3 +412,9 @@ def check_generation(max_new_tokens: Any, temperature: Any = 0.0, top_p: Any = 1
         raise UserError(f"seed (--seed) must be a whole number (got {seed!r})")
     if seed is not None and not 0 <= seed < 2**63:
         raise UserError(f"seed (--seed) must be from 0 to 2**63 - 1 (got {seed})")
+    if t == 0 and (p != 1 or seed is not None):  # greedy: the top token, nothing drawn
+        what = "top_p (--top-p)" if p != 1 else "seed (--seed)"
+        raise UserError(
+            f"{what} does nothing at temperature 0: greedy decoding takes the top token and draws nothing; "
+            "drop it or set --temperature above 0 to sample"
+        )

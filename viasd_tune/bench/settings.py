@@ -72,6 +72,12 @@ class BenchSettings:
                 "which --methods leaves out; drop it or add sd to --methods"
             )
         prompts.check_source(self.data, self.data_field)
+        reads_gamma = ("sd", "hf-lookup", "hf-assisted", "hf-assisted-conf", "hf-assisted-heuristic")
+        if self.gamma is not None and self.methods is not None and not set(reads_gamma) & set(self.methods):
+            raise UserError(
+                f"--gamma {self.gamma} does nothing here: it applies to methods {', '.join(reads_gamma)}, which "
+                "--methods leaves out; drop it or add one of them"
+            )
         if self.chat not in prompts.CHAT_MODES:
             raise UserError(f"--chat must be one of {', '.join(prompts.CHAT_MODES)} (got {self.chat!r})")
         out = Path(self.out)

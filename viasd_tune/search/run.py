@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from .. import host, models, prompts
 from ..config import DecodeConfig
-from ..credentials import check_storage, redact
+from ..credentials import check_storage, redact, scrub
 from ..decoding.decoder import Decoder
 from ..errors import UserError
 from ..fidelity import agreement, greedy_agreement
@@ -523,6 +523,7 @@ def _guarded(objective):
             raise
         except Exception as e:
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:500]
+            reason = scrub(reason, [getattr(trial.storage, "url", None)])  # stored in the study: no password
             trial.set_user_attr("fail_reason", reason)
             log.warning("trial %d failed: %s", trial.number, reason, exc_info=log.isEnabledFor(logging.INFO))
             raise
