@@ -135,7 +135,8 @@ def _wait_held(storage, name, proc, tmp, tag, hold: Path) -> optuna.trial.Frozen
     # Its own worker's, mid-trial. (RUNNING is not asserted: on a loaded host a starved worker's heartbeat can go
     # stale within the tests' 5 s grace period, and another worker fail it, while the process still holds it.)
     assert held.user_attrs["worker"].endswith(f":{proc.pid}") and "estimate" not in held.user_attrs
-    print(f"held trial {held.number} was {held.state.name} when read")  # FAIL: stale while held (see with -s)
+    # FAIL here: failed as stale while held. Shown with -s (the real stderr: the test's capsys takes stdout).
+    print(f"held trial {held.number} was {held.state.name} when read", file=sys.__stderr__)
     return held
 
 
