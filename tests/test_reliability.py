@@ -38,10 +38,9 @@ PASSWORD = "s3cret-pw"  # in the PostgreSQL URL (the test server trusts loopback
 # `viasd-tune ARGS`, each trial held at its start (before its replay estimate is recorded) for TEST_TRIAL_DELAY
 # seconds, and for as long as the file TEST_HOLD_FILE exists (marked by TEST_HOLD_FILE.held, which holds the held
 # trial's number), so a test can signal a worker while it is surely mid-trial: a fixed delay alone raced (a loaded
-# host let the trial move on between the test's look and its kill). The test must take the trial's number from the
-# marker, not guess it from the study: a retry of a trial carried that trial's user attrs (its worker's name
-# included, Optuna copies them) until its own worker overwrote them, and the test once took such a retry, run by a
-# survivor, for the victim's trial.
+# host let the trial move on between the test's look and its kill). The test takes the trial's number from the
+# marker: a trial's "worker" attr names whoever wrote it last, which says nothing when two processes run one trial
+# (what SQLite allowed, see test_workers_never_start_the_same_queued_trial).
 SLOW_CLI = """
 import os, signal, sys, time
 # Ctrl-C raises KeyboardInterrupt even where the test runner was started in the background (a shell without job
@@ -380,10 +379,10 @@ def test_a_stalled_worker_whose_trial_was_taken_over_carries_on(tmp_path, caplog
 
 
 def test_a_dead_workers_retry_starts_clean(tmp_path, monkeypatch):
-    """Issue 31, item 8: the retry of a trial failed as stale carried that trial's user attrs (Optuna's retry
-    callback copies them): the dead worker's name, its config and any partial measurements, until the retry's own
-    worker overwrote them; the killed-worker test once took such a retry, RUNNING in a survivor, for the victim's
-    trial and then found it COMPLETE. The retry now holds the same params and retry history, and no user attrs."""
+    """Found while tracing issue 31 item 8: the retry of a trial failed as stale carried that trial's user attrs
+    (Optuna's retry callback copies them): the dead worker's name, its config and any partial measurements, until
+    the retry's own worker overwrote them (and a retry screened out by the replay kept the dead trial's
+    measurements). The retry now holds the same params and retry history, and no user attrs."""
     from viasd_tune.search.storage import RetryStaleTrial
 
     monkeypatch.setenv("VIASD_HEARTBEAT_INTERVAL", "1")
@@ -412,3 +411,38 @@ def test_a_dead_workers_retry_starts_clean(tmp_path, monkeypatch):
     assert again["retry_history"] == [0, 1] and again["failed_trial"] == 0
     callback(study, study.trials[2])
     assert len(study.trials) == 3
+
+
+POP_QUEUED = """
+import json, sys, time, warnings
+import optuna
+warnings.simplefilter("ignore")
+from viasd_tune.search.storage import make_storage
+study = optuna.load_study(study_name="q", storage=make_storage(sys.argv[1]))
+while time.time() < float(sys.argv[3]):  # all start popping at once
+    time.sleep(0.001)
+popped = []
+while (trial_id := study._pop_waiting_trial_id()) is not None:  # what Study.ask does to start a queued trial
+    popped.append(trial_id)
+json.dump(popped, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.slow
+def test_workers_never_start_the_same_queued_trial(tmp_path):
+    """Issue 31, item 8: on SQLite two workers could both start one queued (WAITING) trial: Optuna reads its state
+    FOR UPDATE, which SQLite ignores, and pysqlite began the transaction only at the write. 4 processes popping 60
+    queued trials started 8 to 12 of them twice; one of those, run by the killed worker and a survivor at once, was
+    the killed worker's trial that ended COMPLETE. make_storage begins SQLite transactions IMMEDIATE."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="q", storage=make_storage(url))
+    for x in range(60):
+        study.enqueue_trial({"x": float(x)})
+    start = str(time.time() + 10)  # after every process has imported and opened the storage
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    outs = [tmp_path / f"popped-{i}.json" for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", POP_QUEUED, url, str(o), start], env=env) for o in outs]
+    for p in procs:
+        assert p.wait(timeout=240) == 0
+    popped = [t for o in outs for t in json.loads(o.read_text())]
+    assert sorted(popped) == sorted(t._trial_id for t in study.trials)  # each queued trial started exactly once

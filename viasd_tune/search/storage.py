@@ -45,16 +45,23 @@ def make_storage(url: str):
 
     interval, grace = env_seconds("VIASD_HEARTBEAT_INTERVAL", 30), env_seconds("VIASD_GRACE_PERIOD", 90)
 
+    sqlite = url.startswith("sqlite")
+    # pysqlite: no implicit BEGIN (SQLAlchemy's recipe; _lock_on_begin emits ours) and a patient busy wait.
+    engine_kwargs = {"connect_args": {"isolation_level": None, "timeout": SQLITE_BUSY_S}} if sqlite else {}
+
     def connect() -> RDBStorage:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(
+            storage = RDBStorage(
                 _with_driver(url),
                 heartbeat_interval=interval,
                 grace_period=grace,
                 heartbeat_stale_trial_callback=RetryStaleTrial(max_retry=2),
-                engine_kwargs={} if url.startswith("sqlite") else {"pool_pre_ping": True},
+                engine_kwargs=engine_kwargs or {"pool_pre_ping": True},
             )
+        if sqlite:
+            _lock_on_begin(storage.engine)
+        return storage
 
     try:
         try:
@@ -73,6 +80,22 @@ def make_storage(url: str):
         # Driver messages can quote the URL, and so its password: never print that.
         first = scrub(first, [url, _with_driver(url)])
         raise UserError(f"cannot open Optuna storage {redact(url)}: {first}") from None
+
+
+SQLITE_BUSY_S = 60  # how long a SQLite transaction waits for another process's to finish
+
+
+def _lock_on_begin(engine) -> None:
+    """Start every SQLite transaction with ``BEGIN IMMEDIATE``, so it holds the write lock from its first read.
+
+    Optuna starts a queued (WAITING) trial by reading its state ``FOR UPDATE`` and setting it RUNNING. SQLite has
+    no row locks, and pysqlite begins a transaction only at its first write, so two workers could both read
+    WAITING and both start the same trial (4 processes popping 60 queued trials started 8 to 12 of them twice):
+    the search's reference points and seeded skip sets ran twice, and a trial one worker was running (and died in)
+    was completed by the other. Serialised transactions make that read-then-write atomic."""
+    from sqlalchemy import event
+
+    event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
 
 
 class RetryStaleTrial:
