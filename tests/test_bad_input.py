@@ -28,7 +28,8 @@ def fails_cleanly(capsys, argv: list[str], *needles: str) -> str:
         rc = e.code
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.count("\n") == 1 and re.match(r"viasd-tune( \w+)?: error: ", err) and "Traceback" not in err, err
+    one_line = err.count("\n") == 1 and "Traceback" not in err
+    assert one_line and re.match(r"viasd-tune( \w+)?: error: ", err), err
     for needle in needles:
         assert needle in err, err
     return err

@@ -22,7 +22,9 @@ from viasd_tune.config import DecodeConfig, check_generation
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.errors import UserError
 from viasd_tune.routing import SkipSet
+from viasd_tune.search import params
 from viasd_tune.search import space as spaces
+from viasd_tune.search.records import TrialRecord
 from viasd_tune.search.run import SearchSettings
 
 SMOKE = spaces.shipped_space_file("smoke")
@@ -231,7 +233,7 @@ def test_13_corrected_rerun_after_a_refused_max_new_tokens(tiny_dirs, tmp_path, 
     import viasd_tune.search.run as run
 
     seen = []
-    monkeypatch.setattr(run, "run_search", lambda s: seen.append(s) or {})
+    monkeypatch.setattr(run, "run_search", lambda s, dashboard=None: seen.append(s) or {})
     assert main(search(tiny_dirs, out, "--max-new-tokens", "4")) == 0 and seen[0].max_new_tokens == 4
 
 
@@ -272,22 +274,22 @@ def test_16_interrupted_reference_trial_is_enqueued_again_on_resume():
     space = spaces.load_space("smoke")
     drafters = ["self", "lookup"]
     study = optuna.create_study(directions=["maximize", "maximize"])
-    spaces.enqueue_known_points(study, space, 4, drafters)
-    known = spaces.known_points(space, 4, drafters)
+    params.enqueue_known_points(study, space, 4, drafters)
+    known = params.known_points(space, 4, drafters)
     assert len(study.trials) == len(known)
 
     def interrupted(trial):
-        spaces.suggest(trial, space, 4, drafters)
+        params.suggest(trial, space, 4, drafters)
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         study.optimize(interrupted, n_trials=1)
     TS = optuna.trial.TrialState
     assert study.trials[0].state == TS.FAIL
-    spaces.enqueue_known_points(study, space, 4, drafters)  # the resume
-    waiting = [t.system_attrs["fixed_params"] for t in study.trials if t.state == TS.WAITING]
+    params.enqueue_known_points(study, space, 4, drafters)  # the resume
+    waiting = [TrialRecord.read(t).enqueued for t in study.trials if t.state == TS.WAITING]
     assert sorted(map(json.dumps, waiting)) == sorted(map(json.dumps, known))  # the failed one is back
-    spaces.enqueue_known_points(study, space, 4, drafters)  # and a second resume adds nothing
+    params.enqueue_known_points(study, space, 4, drafters)  # and a second resume adds nothing
     assert sum(t.state == TS.WAITING for t in study.trials) == len(known)
 
 

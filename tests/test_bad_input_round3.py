@@ -532,7 +532,7 @@ def test_search_categories_with_spaces_work_as_in_bench(tiny_dirs, tmp_path, mon
     import viasd_tune.search.run as search_run
 
     seen = []
-    monkeypatch.setattr(search_run, "run_search", lambda s: seen.append(s) or {})
+    monkeypatch.setattr(search_run, "run_search", lambda s, dashboard=None: seen.append(s) or {})
     monkeypatch.setattr(bench_run, "run_bench", lambda s, default_model=None: seen.append(s) or pytest.skip())
     assert main(search(tiny_dirs, tmp_path / "o", "--categories", "qa, math_reasoning")) == 0
     assert seen[0].categories == ["qa", "math_reasoning"]

@@ -6,7 +6,6 @@ No timing assertions: speed on a shared 2-core machine is noise at this size.
 
 from __future__ import annotations
 
-import ast
 import datetime as dt
 import json
 import re
@@ -447,29 +446,6 @@ def test_opt_in_hf_assisted_schedules():
     assert settings["hf-assisted-conf"]["num_assistant_tokens"] == 4
     assert 0 < settings["hf-assisted-conf"]["assistant_confidence_threshold"] < 1  # HF's own cut, kept
     assert settings["hf-assisted-heuristic"]["num_assistant_tokens_schedule"] == "heuristic"
-
-
-def test_bench_and_page_do_not_import_the_cli_or_each_other():
-    """The bench package is imported by the CLI and must not import it back; the page shell imports neither
-    the dashboard nor the bench."""
-    root = Path(viasd_tune.__file__).parent
-
-    def imported(path: Path) -> set[str]:
-        package = ".".join(path.relative_to(root.parent).with_suffix("").parts[:-1])
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-                mod = ".".join(x for x in (base, node.module) if x)
-                names |= {mod} | {f"{mod}.{a.name}" for a in node.names}
-        return names
-
-    for path in sorted((root / "bench").glob("*.py")):
-        assert "viasd_tune.cli" not in imported(path), path
-        assert "viasd_tune.dashboard" not in imported(path), path
-    assert not {"viasd_tune.dashboard", "viasd_tune.bench"} & imported(root / "page.py")
 
 
 def test_recheck_variant_is_lossless_beside_the_profile(tiny_dirs, calibration_ids, tmp_path):

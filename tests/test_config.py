@@ -251,7 +251,9 @@ def _study_with_trial(config: dict) -> tuple[optuna.Study, optuna.trial.FrozenTr
     [
         DecodeConfig(gamma=4, skip=SkipSet.of([2], [3]), tau_accept=0.1, tau_escalate=0.5, kl="reverse"),
         DecodeConfig(gamma=4, drafter="self", draft_skip=SkipSet.of([5, 9], [5, 9]), recheck=True),
-        DecodeConfig(mode="sd", gamma=6, drafter="lookup+self", draft_skip=SkipSet.of([1]), draft_confidence=0.25),
+        DecodeConfig(
+            mode="sd", gamma=6, drafter="lookup+self", draft_skip=SkipSet.of([1]), draft_confidence=0.25
+        ),
     ],
 )
 def test_export_writes_the_trials_configuration(cfg):
@@ -281,7 +283,10 @@ def test_export_reads_an_older_trials_record():
         (["--gamma", "0"], "gamma must be from 1 to 64"),
         (["--gamma", "1000000000"], "gamma must be from 1 to 64"),
         (["--tau-escalate", "nan"], "argument --tau-escalate: 'nan' is not a finite number"),
-        (["--tau-accept", "inf", "--tau-escalate", "inf"], "argument --tau-accept: 'inf' is not a finite number"),
+        (
+            ["--tau-accept", "inf", "--tau-escalate", "inf"],
+            "argument --tau-accept: 'inf' is not a finite number",
+        ),
         (["--tau-accept", "2", "--tau-escalate", "1"], "tau_accept (2.0) is above tau_escalate (1.0)"),
         (["--draft-confidence", "1"], "draft_confidence (--draft-confidence) must be in [0, 1)"),
         (["--draft-confidence", "nan"], "argument --draft-confidence: 'nan' is not a finite number"),

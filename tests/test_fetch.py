@@ -171,8 +171,9 @@ def test_sha_mismatch(fake_model: PackagedModel, monkeypatch: pytest.MonkeyPatch
 
 
 def test_unknown_name() -> None:
-    with pytest.raises(UserError, match="unknown packaged model 'nope'; choose one of: .*smollm2-135m"):
+    with pytest.raises(UserError) as exc:
         fetch_packaged("nope")
+    assert "'nope'" in str(exc.value) and all(name in str(exc.value) for name in PACKAGED)  # and the choices
 
 
 def test_download_failure_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -184,10 +185,10 @@ def test_download_failure_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.setattr(fetch.subprocess, "run", lambda cmd, **_k: seen.append(cmd) or Result())
     with pytest.raises(UserError) as exc:
         fetch._download_wheel("fake-part1==1.0", tmp_path)
-    assert str(exc.value) == (
-        "could not download fake-part1==1.0 from PyPI: ERROR: No matching distribution found for fake-part1==1.0; "
-        "check network access to pypi.org or pass a local --model path"
-    )
+    message = str(exc.value)
+    assert "\n" not in message and "fake-part1==1.0" in message  # one line naming the wheel
+    assert "No matching distribution found" in message and "retrying" not in message  # pip's ERROR line only
+    assert "pypi.org" in message and "--model" in message  # what to check, and the way around it
     assert seen[0][1:] == [
         "-m",
         "pip",

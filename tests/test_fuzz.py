@@ -34,7 +34,7 @@ from test_profile import make_profile
 from viasd_tune import models, runtime
 from viasd_tune.cli import main
 from viasd_tune.errors import UserError
-from viasd_tune.search import replay, workers
+from viasd_tune.search import params, replay, workers
 from viasd_tune.search import space as spaces
 
 FUZZ = settings(
@@ -472,10 +472,10 @@ def test_fuzz_search_space(stubbed, text):
         space = spaces.load_space(str(path))
         study = optuna.create_study(directions=["maximize", "maximize"])
         drafters = ["self", "lookup", "model", "lookup+model", "lookup+self"]
-        spaces.enqueue_known_points(study, space, 4, drafters)
+        params.enqueue_known_points(study, space, 4, drafters)
         for _ in range(3):
             trial = study.ask()
-            spaces.suggest(trial, space, 4, drafters, draft_layers=3)
+            params.suggest(trial, space, 4, drafters, draft_layers=3)
     except UserError as e:
         assert "\n" not in str(e)
 

@@ -409,6 +409,7 @@ def _space(tmp_path, **changes):
 def test_search_space_hybrids_and_lookup_min(tmp_path):
     import optuna
 
+    from viasd_tune.search import params as search_params
     from viasd_tune.search import space as spaces
 
     all_drafters = ["model", "self", "lookup", *HYBRIDS]
@@ -416,9 +417,11 @@ def test_search_space_hybrids_and_lookup_min(tmp_path):
     space = spaces.load_space(path)
     assert space.lookup_min == (1, 4)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    spaces.enqueue_known_points(study, space, 8, all_drafters)
+    search_params.enqueue_known_points(study, space, 8, all_drafters)
     configs: list[DecodeConfig] = []
-    study.optimize(lambda t: configs.append(spaces.suggest(t, space, 8, all_drafters)) or 0.0, n_trials=40)
+    study.optimize(
+        lambda t: configs.append(search_params.suggest(t, space, 8, all_drafters)) or 0.0, n_trials=40
+    )
     # The reference points: no skip with the first drafter, then plain SD per drafter, at the lowest lookup_min.
     assert [(c.drafter, c.lookup_min, c.tau_escalate == 0) for c in configs[:4]] == [
         ("lookup+model", 1, False), ("lookup+model", 1, True), ("lookup+self", 1, True), ("lookup", 1, True),
@@ -435,15 +438,18 @@ def test_search_space_hybrids_and_lookup_min(tmp_path):
     params = {"drafter": "lookup+self", "gamma": 4, "lookup_min": 2, "self_skip_frac": 0.5, "kl": "js"}
     params |= {"tau_escalate": 1.0, "tau_accept_ratio": 0.5, "skip_frac": 0.0}
     params |= {f"score_{k}_{i}": 0.5 for i in range(1, 7) for k in ("attn", "mlp")}
-    cfg = spaces.suggest(optuna.trial.FixedTrial(params), space, 8, ["self", "lookup", "lookup+self"])
+    cfg = search_params.suggest(optuna.trial.FixedTrial(params), space, 8, ["self", "lookup", "lookup+self"])
     assert cfg.drafter == "lookup+self" and cfg.lookup_min == 2 and not cfg.draft_skip.is_empty
     with pytest.raises(UserError, match="none of .* is available"):
         model_only = _space(tmp_path, drafter=["lookup+model"], self_draft=None)  # self_draft: nothing runs it
-        spaces.suggest(optuna.trial.FixedTrial(params), spaces.load_space(model_only), 8, ["self", "lookup", "lookup+self"])
+        search_params.suggest(optuna.trial.FixedTrial(params), spaces.load_space(model_only),
+                              8, ["self", "lookup", "lookup+self"])  # fmt: skip
     # Without the key lookup_min is 1 and not a parameter; the signature of such a space is what it was.
     plain = spaces.load_space(_space(tmp_path, drafter=HYBRIDS))
     assert plain.lookup_min is None
-    cfg = spaces.suggest(optuna.trial.FixedTrial({**params, "drafter": "lookup+model"}), plain, 8, all_drafters)
+    cfg = search_params.suggest(
+        optuna.trial.FixedTrial({**params, "drafter": "lookup+model"}), plain, 8, all_drafters
+    )
     assert cfg.lookup_min == 1
     assert spaces.space_signature(plain, 8) != spaces.space_signature(space, 8)
     default = spaces.load_space("default")

@@ -15,6 +15,7 @@ from viasd_tune.config import DecodeConfig
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.routing import SkipSet, install_skipping
 from viasd_tune.search import importance, replay
+from viasd_tune.search import params as search_params
 from viasd_tune.search import space as spaces
 from viasd_tune.search.importance import Importance
 
@@ -141,7 +142,9 @@ def test_seed_sets_respect_the_space(tmp_path):
 
 def _decode(space, params: dict, n_layers: int) -> SkipSet:
     other = {"drafter": "lookup", "gamma": 2, "kl": "js", "tau_escalate": 1.0, "tau_accept_ratio": 0.1}
-    return spaces.suggest(optuna.trial.FixedTrial({**other, **params}), space, n_layers, ["lookup"]).skip
+    return search_params.suggest(
+        optuna.trial.FixedTrial({**other, **params}), space, n_layers, ["lookup"]
+    ).skip
 
 
 @pytest.mark.parametrize("encoding", ["budget", "per_sublayer"])
@@ -152,9 +155,9 @@ def test_enqueued_params_decode_to_the_chosen_skip_sets(tmp_path, encoding):
     for _ in range(30):
         chosen = rng.sample(slots, rng.randrange(0, len(slots) + 1))
         skip = SkipSet.of((i for i, k in chosen if k == "attn"), (i for i, k in chosen if k == "mlp"))
-        assert _decode(space, importance.skip_params(space, 10, skip), 10) == skip
+        assert _decode(space, search_params.skip_params(space, 10, skip), 10) == skip
     with pytest.raises(ValueError, match="may not skip"):
-        importance.skip_params(space, 10, SkipSet.of([0]))  # protected
+        search_params.skip_params(space, 10, SkipSet.of([0]))  # protected
 
     # through the study: enqueued seeds are the first trials and decode to the seed sets
     imp = _imp(2, layers=10)
@@ -164,7 +167,7 @@ def test_enqueued_params_decode_to_the_chosen_skip_sets(tmp_path, encoding):
     assert importance.enqueue_seeds(study, space, 10, imp) == 0  # not twice
     for want in importance.seed_skip_sets(imp, space, 10):
         trial = study.ask()
-        assert spaces.suggest(trial, space, 10, ["lookup"]).skip == want
+        assert search_params.suggest(trial, space, 10, ["lookup"]).skip == want
         study.tell(trial, [1.0, 1.0])
 
 
@@ -182,4 +185,4 @@ def test_seed_sets_fit_any_budget_range(tmp_path, budget):
     imp = _imp(5, layers=8)
     space = _space(tmp_path, budget=budget)
     for skip in importance.seed_skip_sets(imp, space, 8):
-        assert _decode(space, importance.skip_params(space, 8, skip), 8) == skip
+        assert _decode(space, search_params.skip_params(space, 8, skip), 8) == skip

@@ -1,162 +1,71 @@
-"""No import cycles between the modules of viasd_tune, counting imports inside functions too.
-
-A function-level import hides a cycle from Python (it runs after both modules are loaded) but not from a
-reader: the two modules still depend on each other. The graph is read from the source with ``ast``, so the
-test needs no import of the package and sees every import statement, wherever it sits (only blocks under
-``if TYPE_CHECKING:`` are left out: they never run).
-"""
+"""The package's import architecture, checked by import-linter with the contracts in pyproject.toml
+([tool.importlinter]): modules import only from the layers below them (the pipeline), and no modules import each
+other, at any depth. Function-level imports count too: they hide a dependency from Python, not from a reader."""
 
 from __future__ import annotations
 
-import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-PACKAGE = "viasd_tune"
-ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+import pytest
 
-# Edges (importer, imported) that are allowed for now: none.
-KNOWN: set[tuple[str, str]] = set()
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
+ROOT = Path(__file__).resolve().parents[1]
+LINT = (
+    "import sys; from importlinter.cli import lint_imports; "
+    "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, no_logo=True))"
+)
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """ids of the nodes inside ``if TYPE_CHECKING:`` bodies."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            test = node.test
-            name = (
-                test.id
-                if isinstance(test, ast.Name)
-                else test.attr
-                if isinstance(test, ast.Attribute)
-                else ""
-            )
-            if name == "TYPE_CHECKING":
-                for stmt in node.body:
-                    skipped.update(id(n) for n in ast.walk(stmt))
-    return skipped
+def lint(root: Path) -> tuple[int, set[str]]:
+    """import-linter over the package under ``root`` with ``root``'s contracts: its exit status and the names
+    of the contracts it reports broken."""
+    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "1000"}  # one line per contract
+    done = subprocess.run([sys.executable, "-c", LINT], cwd=root, env=env, capture_output=True, text=True)
+    broken = set(re.findall(r"^(.+?) BROKEN$", done.stdout, flags=re.MULTILINE))
+    return done.returncode, broken
 
 
-def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The modules of the package that ``module`` imports anywhere in its source."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    skipped = _type_checking_nodes(tree)
-    is_package = path.name == "__init__.py"
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            # ``from pkg import sub`` imports the submodule; ``from mod import name`` the module.
-            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
-        else:
-            continue
-        for target in targets:
-            # ``import a.b.c`` loads a.b.c; keep the longest prefix that is one of our modules
-            parts = target.split(".")
-            while parts and ".".join(parts) not in known:
-                parts.pop()
-            if parts and ".".join(parts) != module:
-                out.add(".".join(parts))
-    return out
+def test_the_package_keeps_its_import_contracts():
+    code, broken = lint(ROOT)
+    assert (code, broken) == (0, set())
 
 
-def import_graph() -> dict[str, set[str]]:
-    known = _modules()
-    return {m: _imports(m, p, known) for m, p in known.items()}
+@pytest.fixture(scope="module")
+def contracts() -> dict[str, str]:
+    """Contract id -> name, as pyproject.toml declares them."""
+    from importlinter.api import read_configuration
+
+    config = read_configuration(str(ROOT / "pyproject.toml"))
+    return {c["id"]: c["name"] for c in config["contracts_options"]}
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+UPWARD_IN_A_FUNCTION = "def _up():\n    from .dashboard import build_dashboard\n"
 
 
-def _path(graph: dict[str, set[str]], component: list[str]) -> str:
-    """One concrete cycle inside a component, for the failure message: a -> b -> ... -> a."""
-    members, start = set(component), component[0]
-    parents: dict[str, str] = {}
-    frontier = [start]
-    while frontier:
-        nxt = []
-        for v in frontier:
-            for w in sorted(graph[v] & members):
-                if w == start:
-                    chain = [v]
-                    while chain[-1] != start:
-                        chain.append(parents[chain[-1]])
-                    return " -> ".join([start, *reversed(chain[:-1]), start]) if v != start else start
-                if w not in parents:
-                    parents[w] = v
-                    nxt.append(w)
-        frontier = nxt
-    return ", ".join(component)
-
-
-def test_the_graph_sees_module_and_function_level_imports():
-    graph = import_graph()
-    assert "viasd_tune.config" in graph["viasd_tune.decoding.decoder"]  # from ..config import (module level)
-    assert "viasd_tune.search.run" in graph["viasd_tune.search.workers"]  # from .run import
-    assert "viasd_tune.search.cli" in graph["viasd_tune.cli"]  # from .search.cli import (inside a function)
-    assert "viasd_tune.models" in graph["viasd_tune.search.run"]  # from .. import models
-
-
-def test_cycle_finder():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
-    assert cycles(graph) == [["a", "b", "c"]]
-    assert _path(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
-
-
-def test_no_module_imports_one_that_imports_it_back():
-    graph = import_graph()
-    for importer, imported in KNOWN:
-        graph[importer].discard(imported)
-    found = cycles(graph)
-    assert not found, "import cycles: " + "; ".join(_path(graph, c) for c in found)
+@pytest.mark.parametrize(
+    ("module", "line", "contract"),
+    [
+        ("routing.py", UPWARD_IN_A_FUNCTION, "layers"),
+        (
+            "search/export.py",
+            "from ..dashboard import build_dashboard\n",
+            "layers",
+        ),  # the search above the page
+        ("search/records.py", "from . import screen\n", "search"),  # records below what reads them
+        ("decoding/common.py", "from . import sd\n", "acyclic"),  # sd imports common: a cycle in one layer
+    ],
+)
+def test_the_contracts_catch_an_upward_import_and_a_cycle(tmp_path, contracts, module, line, contract):
+    """The same check on a copy of the package with one import added: the contract it breaks says so."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(
+        ROOT / "viasd_tune", tmp_path / "viasd_tune", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    path = tmp_path / "viasd_tune" / module
+    path.write_text(path.read_text(encoding="utf-8") + "\n" + line, encoding="utf-8")
+    code, broken = lint(tmp_path)
+    assert code != 0 and contracts[contract] in broken

@@ -12,7 +12,7 @@ import sys
 import optuna
 import pytest
 
-from viasd_tune import dashboard
+from viasd_tune.dashboard.points import trial_points
 from viasd_tune.errors import UserError
 from viasd_tune.search import storage, workers
 from viasd_tune.search.front import pareto_front
@@ -54,7 +54,7 @@ def test_identical_points_are_both_on_the_front_in_the_given_order():
 def test_dashboard_marks_the_same_front_the_export_writes():
     rng = random.Random(3)
     trials = _trials([(rng.uniform(0.5, 1.5), rng.choice([1.0, 1.5, 2.0])) for _ in range(30)])
-    points = dashboard._points(trials, None)  # no constraints recorded: every trial is feasible
+    points = trial_points(trials, None)  # no constraints recorded: every trial is feasible
     assert {p.number for p in points if p.pareto} == {t.number for t in pareto_front(trials)}
 
 
@@ -70,10 +70,12 @@ def test_storage_opener(tmp_path):
     assert created.directions == [optuna.study.StudyDirection.MAXIMIZE] * 2
     assert storage.open_study(url, "s", seed=0, min_fidelity=0.9)._study_id == created._study_id  # resumed
     assert storage.load_study(url, "s").study_name == "s"
-    with pytest.raises(UserError, match="no study 'other' in that storage; studies there: s"):
+    with pytest.raises(UserError) as e:
         storage.load_study(url, "other")
-    with pytest.raises(UserError, match="'notaurl' is not a storage URL; use sqlite:///"):
+    assert "'other'" in str(e.value) and str(e.value).endswith(": s")  # the one asked for; the one there
+    with pytest.raises(UserError) as e:
         storage.make_storage("notaurl")
+    assert "'notaurl'" in str(e.value) and "sqlite:///" in str(e.value)  # the bad value, and a URL that works
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -99,7 +101,7 @@ class _FakeProcess:
 
 def test_run_workers_passes_settings_not_argv(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(workers, "run_search", lambda s: ran.append(s) or {"summary": True})
+    monkeypatch.setattr(workers, "run_search", lambda s, dashboard=None: ran.append(s) or {"summary": True})
     monkeypatch.setattr(subprocess, "Popen", _FakeProcess)
     monkeypatch.setattr(sys, "argv", ["something", "--else", "entirely"])  # not read
     _FakeProcess.started.clear()
@@ -134,7 +136,8 @@ def test_worker_main_reads_settings_from_stdin(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(dataclasses.asdict(s))))
     monkeypatch.setattr(workers, "run_search", refuse)
     assert workers.main() == 2
-    assert capsys.readouterr().err == "viasd-tune worker: error: bad thing; fix it\n"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip().endswith("bad thing; fix it")  # one line, the error's own
 
 
 def test_n_jobs_below_one_is_refused(capsys):

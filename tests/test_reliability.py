@@ -26,10 +26,10 @@ from viasd_tune import fsutil
 from viasd_tune.cli import main
 from viasd_tune.dashboard import build_dashboard
 from viasd_tune.profile import load_profile, write_profile
-from viasd_tune.search import replay
-from viasd_tune.search import run as search_run
+from viasd_tune.search import loop, replay, screen
+from viasd_tune.search import objective as search_objective
 from viasd_tune.search.run import SearchSettings, run_search
-from viasd_tune.search.storage import make_storage
+from viasd_tune.search.storage import make_storage, open_study
 
 TS = optuna.trial.TrialState
 REPO = Path(__file__).resolve().parents[1]
@@ -46,13 +46,13 @@ import os, signal, sys, time
 # Ctrl-C raises KeyboardInterrupt even where the test runner was started in the background (a shell without job
 # control starts it with SIGINT ignored, and the child would inherit that and finish instead of stopping).
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from viasd_tune.search import replay, space
+from viasd_tune.search import params, replay
 current = {}
-_suggest = space.suggest
+_suggest = params.suggest
 def suggest(trial, *args, **kwargs):
     current["trial"] = trial.number
     return _suggest(trial, *args, **kwargs)
-space.suggest = suggest
+params.suggest = suggest
 _simulate = replay.simulate
 def simulate(*args, **kwargs):
     end, hold = time.time() + float(os.environ["TEST_TRIAL_DELAY"]), os.environ.get("TEST_HOLD_FILE")
@@ -289,7 +289,7 @@ def test_ctrl_c_keeps_finished_trials_and_a_failing_trial_fails_alone(
 
     # Resume in this process, where one trial raises and another measures NaN: each fails with its reason.
     calls = {"simulate": 0, "measure": 0}
-    simulate, measure = replay.simulate, search_run.measure
+    simulate, measure = replay.simulate, search_objective.measure
 
     def flaky_simulate(*a, **k):
         calls["simulate"] += 1
@@ -305,9 +305,9 @@ def test_ctrl_c_keeps_finished_trials_and_a_failing_trial_fails_alone(
         return m
 
     monkeypatch.setattr(replay, "simulate", flaky_simulate)
-    monkeypatch.setattr(search_run, "measure", nan_measure)
+    monkeypatch.setattr(search_objective, "measure", nan_measure)
     # Decode every trial the replay lets through: this test is about failures, not the front screen.
-    monkeypatch.setattr(search_run, "could_enter_front", lambda *a: True)
+    monkeypatch.setattr(screen, "could_enter_front", lambda *a: True)
     target, draft = tiny_dirs
     settings = SearchSettings(
         model=target, draft=draft, dtype="float32", device="cpu", prompts=4, trials=trials, space="smoke",
@@ -363,7 +363,7 @@ def test_a_write_interrupted_half_way_leaves_the_old_file(what, tmp_path, monkey
 def test_a_stalled_worker_whose_trial_was_taken_over_carries_on(tmp_path, caplog):
     """A worker paused past the grace period finds its trial failed (and re-queued) by another: it drops that
     result and goes on instead of crashing on Optuna's UpdateFinishedTrialError."""
-    study = search_run.open_study(f"sqlite:///{tmp_path / 'study.db'}", "s", seed=0, min_fidelity=0.5)
+    study = open_study(f"sqlite:///{tmp_path / 'study.db'}", "s", seed=0, min_fidelity=0.5)
     calls = []
 
     def objective(trial):
@@ -373,7 +373,7 @@ def test_a_stalled_worker_whose_trial_was_taken_over_carries_on(tmp_path, caplog
             study._storage.set_trial_state_values(trial._trial_id, state=TS.FAIL)
         return trial.suggest_float("x", 0.5, 2.0), 1.0
 
-    search_run._optimize(study, objective, SearchSettings(model="unused", trials=2, progress=False))
+    loop.optimize(study, objective, SearchSettings(model="unused", trials=2, progress=False))
     assert [t.state for t in study.trials] == [TS.FAIL, TS.COMPLETE, TS.COMPLETE]
     assert any("taken over" in r.getMessage() for r in caplog.records)
 
@@ -445,4 +445,5 @@ def test_workers_never_start_the_same_queued_trial(tmp_path):
     for p in procs:
         assert p.wait(timeout=240) == 0
     popped = [t for o in outs for t in json.loads(o.read_text())]
-    assert sorted(popped) == sorted(t._trial_id for t in study.trials)  # each queued trial started exactly once
+    # each queued trial started exactly once
+    assert sorted(popped) == sorted(t._trial_id for t in study.trials)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 
@@ -16,6 +17,7 @@ from viasd_tune.fidelity import agreement, greedy_agreement
 from viasd_tune.profile import load_profile
 from viasd_tune.prompts import encode_all, load_prompts
 from viasd_tune.search.export import build_profile
+from viasd_tune.search.records import StudyRecord, TrialRecord
 from viasd_tune.search.run import SearchSettings, run_search
 
 TRIALS = 6
@@ -126,6 +128,11 @@ def test_search_exports_a_valid_profile(searched, tiny_dirs):
             "measured",
         } <= t.user_attrs.keys()
         assert list(t.constraints.values()) == [pytest.approx(0.5 - t.user_attrs["fidelity"])]
+    # Everything the search stored is a field of its records: nothing is written under another name.
+    trial_fields = {f.name for f in dataclasses.fields(TrialRecord)}
+    assert all(set(t.user_attrs) <= trial_fields for t in study.trials)
+    study_keys = {k.split(":")[0] if k.startswith("held_out:") else k for k in study.user_attrs}
+    assert study_keys <= {f.name for f in dataclasses.fields(StudyRecord)}
 
 
 def test_runtime_serves_the_profiles(searched, tiny_dirs):
@@ -445,26 +452,22 @@ def test_routed_export_from_a_search(searched, tiny_dirs, tmp_path, capsys):
 def test_the_study_starts_from_importance_seeds(searched):
     """The sub-layer scores are kept in the study, and the seed skip sets built from them were the first trials
     after the reference points, with the space's params decoding to exactly those sets."""
-    from viasd_tune.search import importance
+    from viasd_tune.search import importance, params
     from viasd_tune.search import space as spaces
 
     out, _ = searched
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
-    imp = importance.Importance.from_dict(study.user_attrs[importance.ATTR])
+    imp = importance.Importance.from_dict(StudyRecord.read(study).layer_importance)
     assert imp.positions > 0 and set(imp.drop) == {"attn", "mlp"}
     n_layers = study.user_attrs["num_layers"]
     assert imp.drop["attn"][0] is None and imp.drop["mlp"][n_layers - 1] is None  # smoke protects both ends
     seeds = importance.seed_skip_sets(imp, spaces.load_space("smoke"), n_layers)  # what the run enqueued
-    seeded = [
-        t
-        for t in study.trials
-        if t.system_attrs.get("fixed_params") and "escalate_all" not in t.system_attrs["fixed_params"]
-    ]
+    seeded = [t for t in study.trials if (r := TrialRecord.read(t)).enqueued and not r.reference]
     assert seeds and len(seeded) == len(seeds)
     space = spaces.load_space("smoke")
     ran = 0
     for t, skip in zip(seeded, seeds, strict=True):
-        assert t.system_attrs["fixed_params"] == importance.skip_params(space, n_layers, skip)
+        assert TrialRecord.read(t).enqueued == params.skip_params(space, n_layers, skip)
         if t.state == optuna.trial.TrialState.COMPLETE:  # seeds after the last decode asked for stay WAITING
             ran += 1
             assert (t.user_attrs["config"]["skip_attn"], t.user_attrs["config"]["skip_mlp"]) == (
@@ -476,31 +479,39 @@ def test_the_study_starts_from_importance_seeds(searched):
 
 def test_the_study_records_how_replayed_tier_shares_matched_decoding(searched):
     """Each decoded trial keeps its replayed tier shares beside the measured ones; the study records the tolerance
-    and how many decoded trials stayed within it. In fp32 a replay that stayed exact gives decoding's shares."""
-    from viasd_tune.search.run import REPLAY_TOLERANCE, replay_check
+    and how many decoded trials stayed within it. A lossless trial's replay follows the reference exactly, so
+    the plain-SD reference points (always decoded) match decoding."""
+    from viasd_tune.search.records import TIERS
+    from viasd_tune.search.screen import REPLAY_TOLERANCE
 
     out, _ = searched
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}")
-    decoded = [t for t in study.trials if t.user_attrs.get("measured")]
-    assert decoded and all("replayed_tier_shares" in t.user_attrs for t in decoded)
     # every finished trial records the process's memory after it (a long search's growth shows per trial)
     assert all(t.user_attrs["memory_gb"]["resident"] > 0 for t in study.trials if t.state.name == "COMPLETE")
-    for t in decoded:
-        replayed, measured = t.user_attrs["replayed_tier_shares"], t.user_attrs["tier_shares"]
+    decoded = [r for r in map(TrialRecord.read, study.trials) if r.measured]
+    assert decoded and all(r.replayed_tier_shares is not None for r in decoded)
+    for r in decoded:
+        replayed, measured = r.replayed_tier_shares, r.tier_shares
         assert sum(replayed.values()) == pytest.approx(1.0)
-        assert t.user_attrs["replay_gap"] == pytest.approx(max(abs(replayed[k] - measured[k]) for k in replayed))
-        if t.user_attrs["replay_exact"]:
-            assert t.user_attrs["replay_gap"] <= REPLAY_TOLERANCE, t.number
-    check = study.user_attrs["replay_check"]
-    assert check == replay_check(study)
-    assert check["tolerance"] == REPLAY_TOLERANCE and check["trials"] == len(decoded)
-    assert check["within"] >= sum(t.user_attrs["replay_exact"] for t in decoded)
+        assert r.replay_gap == pytest.approx(max(abs(replayed[k] - measured[k]) for k in TIERS))
+    plain = [r for r in decoded if r.decode_config().mode == "sd"]
+    assert plain and all(r.replay_exact and r.replay_gap <= REPLAY_TOLERANCE for r in plain)
+    exact = [r for r in decoded if r.replay_exact]
+    assert all(r.replay_gap <= REPLAY_TOLERANCE for r in exact)
+    gaps = [r.replay_gap for r in decoded]
+    assert StudyRecord.read(study).replay_check == {
+        "tolerance": REPLAY_TOLERANCE,
+        "trials": len(decoded),
+        "within": sum(g <= REPLAY_TOLERANCE for g in gaps),
+        "max_gap": max(gaps),
+    }
+    assert sum(g <= REPLAY_TOLERANCE for g in gaps) >= len(exact) >= len(plain)
 
 
 def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
     """Trials the screen rejects are replayed only (measured False, with why); the study holds exactly --trials
     decoded ones, and the progress bar shows both counts."""
-    from viasd_tune.search import run
+    from viasd_tune.search import screen
 
     calls = []
 
@@ -508,7 +519,7 @@ def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
         calls.append(modelled)
         return len(calls) % 3 == 0
 
-    monkeypatch.setattr(run, "could_enter_front", every_third)
+    monkeypatch.setattr(screen, "could_enter_front", every_third)
     out = tmp_path / "count"
     run_search(settings(tiny_dirs, out, trials=5, prompts=6, max_new_tokens=6, progress=True))
     study = optuna.load_study(study_name="count", storage=f"sqlite:///{out / 'study.db'}")
@@ -526,11 +537,11 @@ def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
 def test_a_search_with_nothing_worth_decoding_stops(tiny_dirs, tmp_path, monkeypatch, caplog):
     """When the screen rejects every sampled trial, the search still ends: after REPLAYS_PER_DECODE replays
     per decode asked for (at least MIN_REPLAYS), with the reference points decoded and a warning saying so."""
-    from viasd_tune.search import run
+    from viasd_tune.search import loop, screen
 
-    monkeypatch.setattr(run, "could_enter_front", lambda *a: False)
-    monkeypatch.setattr(run, "MIN_REPLAYS", 9)
-    monkeypatch.setattr(run, "REPLAYS_PER_DECODE", 1)
+    monkeypatch.setattr(screen, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(loop, "MIN_REPLAYS", 9)
+    monkeypatch.setattr(loop, "REPLAYS_PER_DECODE", 1)
     out = tmp_path / "capped"
     run_search(settings(tiny_dirs, out, trials=5, prompts=4, max_new_tokens=4))
     study = optuna.load_study(study_name="capped", storage=f"sqlite:///{out / 'study.db'}")
@@ -544,10 +555,10 @@ def test_a_search_with_nothing_worth_decoding_stops(tiny_dirs, tmp_path, monkeyp
 def test_a_search_stops_after_a_run_of_screened_out_trials(tiny_dirs, tmp_path, monkeypatch, caplog):
     """STALE_REPLAYS finished trials in a row screened out end the search (the default search on SmolLM2 once
     replayed 240 dominated trials for 40 min), with the decoded reference points and a warning saying so."""
-    from viasd_tune.search import run
+    from viasd_tune.search import loop, screen
 
-    monkeypatch.setattr(run, "could_enter_front", lambda *a: False)
-    monkeypatch.setattr(run, "STALE_REPLAYS", 4)
+    monkeypatch.setattr(screen, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(loop, "STALE_REPLAYS", 4)
     out = tmp_path / "stale"
     run_search(settings(tiny_dirs, out, trials=5, prompts=4, max_new_tokens=4))
     study = optuna.load_study(study_name="stale", storage=f"sqlite:///{out / 'study.db'}")
@@ -556,7 +567,7 @@ def test_a_search_stops_after_a_run_of_screened_out_trials(tiny_dirs, tmp_path, 
 
 
 def test_a_replayed_trial_is_decoded_only_if_it_could_enter_the_front():
-    from viasd_tune.search.run import FRONT_SLACK, could_enter_front
+    from viasd_tune.search.screen import FRONT_SLACK, could_enter_front
 
     study = optuna.create_study(directions=["maximize", "maximize"])
     assert could_enter_front(study, 0.1, 0.1)  # nothing measured yet: decode

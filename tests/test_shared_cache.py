@@ -73,12 +73,12 @@ def checked_rounds():
     """Run ``check_committed`` before every round (i.e. after the previous round's rollback) and at the end."""
     original = common.run_rounds
 
-    def run_rounds(round_fn, seq, max_new_tokens, eos_ids, full, drafter=None, flush=None):
+    def run_rounds(round_fn, seq, max_new_tokens, eos_ids, full, drafter=None, flush=None, **kw):
         def checked(s):
             check_committed(full, s.tokens)
             return round_fn(s)
 
-        result = original(checked, seq, max_new_tokens, eos_ids, full, drafter, flush)
+        result = original(checked, seq, max_new_tokens, eos_ids, full, drafter, flush, **kw)
         full.rollback(seq.length - 1)
         check_committed(full, seq.tokens)
         return result

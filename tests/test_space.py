@@ -1,10 +1,12 @@
-"""Search-space loading, validation and trial decoding (fast: optuna in-memory studies only)."""
+"""Search-space loading, validation and trial decoding (fast: optuna in-memory studies only).
+
+The behaviour is tested on a space document this file owns (``DOC``); the shipped spaces are only checked to
+load and to make valid trials, so tuning a shipped space never breaks a test."""
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -19,21 +21,32 @@ import yaml
 from viasd_tune.config import DecodeConfig
 from viasd_tune.errors import UserError
 from viasd_tune.routing import SkipSet
-from viasd_tune.search.space import (
-    FloatRange,
-    enqueue_known_points,
-    evenly_spaced_skip,
-    known_points,
-    load_space,
-    space_signature,
-    suggest,
-)
+from viasd_tune.search.params import enqueue_known_points, evenly_spaced_skip, known_points, suggest
+from viasd_tune.search.space import FloatRange, load_space, shipped_space_file, space_signature
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ALL = ["model", "self", "lookup"]
 ROOT = Path(__file__).parents[1]
-DEFAULT_DOC = yaml.safe_load((ROOT / "search_spaces" / "default.yaml").read_text())
 SHIPPED = ("default", "smoke", "model-draft", "lookup")
+DOC = {  # a full space: every key, the three drafters, VIA-SD and plain SD (layers 0 and N-1 protected)
+    "version": 1,
+    "skip": {
+        "encoding": "budget",
+        "sublayers": ["attn", "mlp"],
+        "protect_first": 1,
+        "protect_last": 1,
+        "budget": {"min": 0.0, "max": 0.4},
+    },
+    "tau_escalate": {"low": 0.05, "high": 20.0, "log": True},
+    "tau_accept_ratio": {"low": 0.001, "high": 1.0, "log": True},
+    "kl": ["forward", "reverse", "js"],
+    "gamma": [3, 4, 5, 6, 8],
+    "drafter": ["model", "self", "lookup"],
+    "self_draft": {"skip_fraction": {"low": 0.3, "high": 0.6}},
+    "recheck": [False, True],
+    "draft_confidence": {"low": 0.0, "high": 0.6},
+    "draft_model": {"skip_fraction": {"low": 0.0, "high": 0.3}},
+}
 
 
 def write(tmp_path: Path, data: object, name: str = "space.yaml") -> str:
@@ -43,8 +56,8 @@ def write(tmp_path: Path, data: object, name: str = "space.yaml") -> str:
 
 
 def edited(**changes: object) -> dict:
-    """The default document with top-level keys replaced (None removes a key)."""
-    doc = yaml.safe_load(yaml.safe_dump(DEFAULT_DOC))
+    """``DOC`` with top-level keys replaced (None removes a key)."""
+    doc = yaml.safe_load(yaml.safe_dump(DOC))
     for key, value in changes.items():
         if value is None:
             doc.pop(key)
@@ -53,8 +66,23 @@ def edited(**changes: object) -> dict:
     return doc
 
 
+SMOKE_LIKE = {  # a small space: two γ, model and lookup drafting, none of the optional keys
+    "gamma": [2, 3],
+    "drafter": ["model", "lookup"],
+    "self_draft": None,
+    "recheck": None,
+    "draft_confidence": None,
+    "draft_model": None,
+}
+
+
+def doc_space(tmp_path: Path, **changes: object):
+    """``DOC`` with ``changes`` (see :func:`edited`), loaded."""
+    return load_space(write(tmp_path, edited(**changes), f"space-{len(list(tmp_path.iterdir()))}.yaml"))
+
+
 def with_skip(**changes: object) -> dict:
-    skip = dict(DEFAULT_DOC["skip"])
+    skip = dict(DOC["skip"])
     for key, value in changes.items():
         if value is None:
             skip.pop(key)
@@ -66,36 +94,51 @@ def with_skip(**changes: object) -> dict:
 # ---------------------------------------------------------------- loading
 
 
-def test_shipped_spaces_load() -> None:
-    default, smoke = load_space("default"), load_space("smoke")
-    assert default.skip.encoding == "budget" and default.skip.sublayers == ("attn", "mlp")
-    assert default.skip.budget == FloatRange(0.0, 0.4)
-    assert default.tau_escalate == FloatRange(0.05, 20.0, log=True)
-    assert default.kl == ("forward", "reverse", "js") and default.gamma == (3, 4, 5, 6, 8)
-    assert default.drafter == ("model", "self", "lookup")
-    assert default.self_draft_skip_fraction == FloatRange(0.3, 0.6)
-    assert default.source.endswith("default.yaml")
-    assert smoke.gamma == (2, 3) and smoke.drafter == ("model", "lookup")
-    assert smoke.skip.budget is not None and smoke.skip.budget.high == 0.3
-    assert smoke.self_draft_skip_fraction is None
-    # the one-drafter variants differ from default in the drafter list only
-    for name, drafter in (("model-draft", ("model",)), ("lookup", ("lookup",))):
+def reference_configs(space, num_layers: int, drafters: list[str], draft_layers: int | None = None) -> list:
+    """The configurations the space's reference points decode to, as a study runs them."""
+    study = optuna.create_study()
+    enqueue_known_points(study, space, num_layers, drafters)
+    n = len(study.trials)
+    assert n == len(known_points(space, num_layers, drafters))
+    return [suggest(study.ask(), space, num_layers, drafters, draft_layers) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_spaces_load_and_make_valid_trials(name: str) -> None:
+    """Each shipped space loads from its file, and its reference points and sampled trials are valid
+    configurations for a 28-layer target with a 24-layer draft model (the Qwen pair)."""
+    space = load_space(name)
+    assert space.source == str(shipped_space_file(name))
+    assert space_signature(load_space(str(shipped_space_file(name))), 28) == space_signature(space, 28)
+    drafters = list(space.drafter)
+    references = reference_configs(space, 28, drafters, draft_layers=24)
+    assert references and len(set(references)) == len(references)  # each reference point is its own
+    study, configs = run_study(space, 28, drafters, n_trials=20, draft_layers=24)
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        check_config(cfg, trial, space, 28, draft_layers=24)
+
+
+def test_one_drafter_variants_search_the_default_routing() -> None:
+    """model-draft and lookup draft one way only; what they search for the slim tier is the default's."""
+    default = load_space("default")
+    routing = ("skip", "tau_escalate", "tau_accept_ratio", "kl", "gamma", "recheck")
+    for name in ("model-draft", "lookup"):
         variant = load_space(name)
-        assert variant.drafter == drafter
-        assert variant.skip == default.skip and variant.tau_escalate == default.tau_escalate
+        assert len(variant.drafter) == 1 and variant.drafter[0] in default.drafter
+        assert [getattr(variant, k) for k in routing] == [getattr(default, k) for k in routing]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "spaces").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "benchmarks" / "spaces").glob("*.yaml")), ids=lambda p: p.stem
+)
 def test_benchmark_spaces_load(path: Path) -> None:
-    """The README's measured commands pass these files to --space. A plain-SD one (no slim tier) says in its
-    comment to run `--trials N`, N its reference points: those trials must decode N distinct configurations."""
+    """The README's measured commands pass these files to --space: each loads, and its reference points are
+    distinct configurations (a plain-SD one, without a slim tier, decodes only plain SD)."""
     space = load_space(str(path))
+    references = reference_configs(space, 28, list(space.drafter), draft_layers=24)
+    assert references and len(set(references)) == len(references)
     if not space.slim_tier:
-        trials = re.search(r"--trials (\d+)", path.read_text())
-        assert trials, f"{path.name} has no slim tier: its comment should say which --trials N decodes its points"
-        n = int(trials.group(1))
-        points = known_points(space, 28, list(space.drafter))
-        assert len({repr(sorted(p.items())) for p in points}) == len(points) == n
+        assert {c.mode for c in references} == {"sd"}
 
 
 def test_search_spaces_is_the_one_source(tmp_path: Path) -> None:
@@ -130,7 +173,8 @@ def test_search_spaces_is_the_one_source(tmp_path: Path) -> None:
 
 
 def test_path_loads_same_content_as_name(tmp_path: Path) -> None:
-    space = load_space(write(tmp_path, DEFAULT_DOC))
+    shipped = shipped_space_file("default")
+    space = load_space(write(tmp_path, shipped.read_text()))
     assert space.source == str(tmp_path / "space.yaml")
     assert space_signature(space, 30) == space_signature(load_space("default"), 30)
 
@@ -213,7 +257,9 @@ def check_config(
     draft_layers: int | None = None,
 ) -> None:
     eligible = set(range(space.skip.protect_first, num_layers - space.skip.protect_last))
-    assert cfg.mode == ("sd" if trial.params.get("escalate_all") else "viasd") and cfg.recheck in space.recheck
+    assert (
+        cfg.mode == ("sd" if trial.params.get("escalate_all") else "viasd") and cfg.recheck in space.recheck
+    )
     confidence = space.draft_confidence
     if cfg.drafter == "lookup":
         assert cfg.draft_confidence == 0.0 and "draft_confidence" not in trial.params
@@ -269,11 +315,11 @@ def run_study(
 
 
 @pytest.mark.parametrize("num_layers", [4, 30])
-@pytest.mark.parametrize("name", ["default", "smoke"])
-def test_suggest_budget_invariants(name: str, num_layers: int) -> None:
-    space = load_space(name)
+@pytest.mark.parametrize("changes", [{}, SMOKE_LIKE], ids=["full", "small"])
+def test_suggest_budget_invariants(tmp_path: Path, changes: dict, num_layers: int) -> None:
+    space = doc_space(tmp_path, **changes)
     study, configs = run_study(space, num_layers, ALL)
-    n_slots = 2 * (num_layers - 2)
+    n_slots = len(space.skip.sublayers) * (num_layers - space.skip.protect_first - space.skip.protect_last)
     for trial, cfg in zip(study.trials, configs, strict=True):
         check_config(cfg, trial, space, num_layers)
         if not trial.params.get("escalate_all"):
@@ -306,8 +352,8 @@ def test_suggest_per_sublayer_and_attn_only(tmp_path: Path) -> None:
             assert cfg.skip.attn == {i for i in range(2, 9) if switches[f"skip_attn_{i}"]}
 
 
-def test_budget_ties_broken_by_index() -> None:
-    space = load_space("smoke")
+def test_budget_ties_broken_by_index(tmp_path: Path) -> None:
+    space = doc_space(tmp_path, **SMOKE_LIKE)
     params = {"drafter": "model", "gamma": 2, "escalate_all": False, "kl": "js", "tau_escalate": 1.0}
     params |= {"tau_accept_ratio": 0.5, "skip_frac": 0.25}
     params |= {f"score_{k}_{i}": 0.5 for i in range(1, 5) for k in ("attn", "mlp")}
@@ -316,12 +362,12 @@ def test_budget_ties_broken_by_index() -> None:
     assert cfg.tau_accept == 0.5 and cfg.kl == "js"
 
 
-def test_drafters_intersection_and_errors() -> None:
-    space = load_space("default")
+def test_drafters_intersection_and_errors(tmp_path: Path) -> None:
+    space = doc_space(tmp_path)
     _, configs = run_study(space, 8, ["lookup", "self"], n_trials=20)
     assert {c.drafter for c in configs} <= {"self", "lookup"}
     with pytest.raises(UserError, match=r"\$\.drafter: none of .* is available"):
-        suggest(optuna.trial.FixedTrial({}), load_space("smoke"), 8, ["self"])
+        suggest(optuna.trial.FixedTrial({}), doc_space(tmp_path, **SMOKE_LIKE), 8, ["self"])
     with pytest.raises(UserError, match="leave no skippable layer in this 2-layer model"):
         suggest(optuna.trial.FixedTrial({}), space, 2, ALL)
 
@@ -330,17 +376,17 @@ def test_drafters_intersection_and_errors() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "drafters", "gamma", "plain_drafters"),
+    ("changes", "drafters", "gamma", "plain_drafters"),
     [
-        ("default", ALL, 4, ["model", "self", "lookup"]),
-        ("default", ["self", "lookup"], 4, ["self", "lookup"]),
-        ("smoke", ["lookup"], 3, ["lookup"]),
+        ({}, ALL, 4, ["model", "self", "lookup"]),  # the mid γ: the least γ >= 4 ...
+        ({}, ["self", "lookup"], 4, ["self", "lookup"]),
+        (SMOKE_LIKE, ["lookup"], 3, ["lookup"]),  # ... else the largest
     ],
 )
 def test_enqueue_known_points_end_to_end(
-    name: str, drafters: list[str], gamma: int, plain_drafters: list[str]
+    tmp_path: Path, changes: dict, drafters: list[str], gamma: int, plain_drafters: list[str]
 ) -> None:
-    space = load_space(name)
+    space = doc_space(tmp_path, **changes)
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=1, n_startup_trials=3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no out-of-range fixed-param warnings
@@ -443,18 +489,19 @@ def test_space_signature() -> None:
 # ---------------------------------------------------------------- recheck, draft_confidence, draft-model skip set
 
 
-def test_shipped_spaces_search_recheck_and_confidence() -> None:
-    default = load_space("default")
-    assert default.recheck == (False, True)
-    assert default.draft_confidence == FloatRange(0.0, 0.6)
-    assert default.draft_model_skip_fraction == FloatRange(0.0, 0.3)
-    assert load_space("model-draft").draft_model_skip_fraction == FloatRange(0.0, 0.3)
-    smoke = load_space("smoke")  # the optional keys left out: every trial gets the defaults, as before
-    assert (smoke.recheck, smoke.draft_confidence, smoke.draft_model_skip_fraction) == (
+def test_optional_keys_left_out_give_every_trial_what_it_had_before_they_existed(tmp_path: Path) -> None:
+    space = doc_space(tmp_path, recheck=None, draft_confidence=None, draft_model=None)
+    assert (space.recheck, space.draft_confidence, space.draft_model_skip_fraction) == (
         (False,),
         (0.0,),
         None,
     )
+    study, configs = run_study(space, 8, ALL, n_trials=30, draft_layers=6)
+    assert not any(c.recheck or c.draft_confidence for c in configs)
+    assert all(c.draft_skip.is_empty for c in configs if c.drafter == "model")
+    assert not {"recheck", "draft_confidence", "draft_model_skip_frac"} & {
+        k for t in study.trials for k in t.params
+    }
 
 
 @pytest.mark.parametrize(
@@ -494,8 +541,8 @@ def test_new_keys_bad_values(tmp_path: Path, changes: dict, expected: str) -> No
     assert "\n" not in str(err.value)
 
 
-def test_recheck_and_draft_model_skip_suggested() -> None:
-    space = load_space("default")
+def test_recheck_and_draft_model_skip_suggested(tmp_path: Path) -> None:
+    space = doc_space(tmp_path)
     study, configs = run_study(space, 8, ALL, n_trials=60, draft_layers=6)
     for trial, cfg in zip(study.trials, configs, strict=True):
         check_config(cfg, trial, space, 8, draft_layers=6)
@@ -509,8 +556,8 @@ def test_recheck_and_draft_model_skip_suggested() -> None:
     assert all(c.draft_skip.is_empty for c in configs if c.drafter == "model")
 
 
-def test_known_points_take_new_keys() -> None:
-    space = load_space("default")
+def test_known_points_take_new_keys(tmp_path: Path) -> None:
+    space = doc_space(tmp_path)
     study = optuna.create_study()
     enqueue_known_points(study, space, 8, ALL)
     configs = [suggest(study.ask(), space, 8, ALL, draft_layers=6) for _ in range(4)]
@@ -526,7 +573,7 @@ def test_signature_ignores_optional_keys_at_their_defaults(tmp_path: Path) -> No
     plain = load_space(write(tmp_path, base, "a.yaml"))
     explicit = load_space(write(tmp_path, base | {"recheck": [False], "draft_confidence": 0}, "b.yaml"))
     assert space_signature(plain, 8) == space_signature(explicit, 8)
-    assert space_signature(plain, 8) != space_signature(load_space("default"), 8)
+    assert space_signature(plain, 8) != space_signature(doc_space(tmp_path), 8)
 
 
 def test_space_without_skipping_searches_plain_sd_only(tmp_path: Path) -> None:
@@ -534,7 +581,7 @@ def test_space_without_skipping_searches_plain_sd_only(tmp_path: Path) -> None:
     is plain SD (a slim verifier that skips nothing is the full target run twice)."""
     no_slim = {**with_skip(budget={"min": 0.0, "max": 0.0}), "recheck": [False]}  # recheck needs a slim tier
     space = load_space(write(tmp_path, no_slim))
-    assert not space.slim_tier and load_space("default").slim_tier
+    assert not space.slim_tier and doc_space(tmp_path).slim_tier
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     enqueue_known_points(study, space, 8, ALL)
     known = [suggest(study.ask(), space, 8, ALL) for _ in range(len(study.get_trials()))]

@@ -1,4 +1,4 @@
-"""``viasd-tune`` command line: search, generate, bench, export, dashboard.
+"""``viasd-tune`` command line: search, generate, serve, bench, export, dashboard.
 
 Bad input raises :class:`UserError` anywhere below; here it becomes one line on stderr and exit code 2
 (``--debug`` shows the traceback instead).
@@ -13,6 +13,7 @@ import os
 import sys
 import warnings
 from dataclasses import fields
+from pathlib import Path
 
 from .cliargs import finite_float
 from .config import (
@@ -56,6 +57,20 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument(
         "--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)"
+    )
+
+
+def _add_decoder_args(p: argparse.ArgumentParser) -> None:
+    """What builds a decoder: models and routing flags, or a tuned profile (``generate`` and ``serve``)."""
+    _add_model_args(p)
+    _add_decode_args(p)
+    p.add_argument(
+        "--profile", help="routing profile JSON from `viasd-tune search` (sets models and routing)"
+    )
+    p.add_argument(
+        "--strict-host",
+        action="store_true",
+        help="with --profile: refuse to serve it on another matrix ISA or device than it was tuned on (default: warn)",
     )
 
 
@@ -132,16 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="decode one prompt with ar, sd or viasd (or a tuned --profile)")
-    _add_model_args(g)
-    _add_decode_args(g)
-    g.add_argument(
-        "--profile", help="routing profile JSON from `viasd-tune search` (sets models and routing)"
-    )
-    g.add_argument(
-        "--strict-host",
-        action="store_true",
-        help="with --profile: refuse to serve it on another matrix ISA or device than it was tuned on (default: warn)",
-    )
+    _add_decoder_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -157,13 +163,76 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=cmd_generate)
 
+    s = sub.add_parser(
+        "serve", help="serve a tuned --profile (or a decoder set by flags) over the OpenAI HTTP API"
+    )
+    _add_decoder_args(s)
+    s.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)"
+    )
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    s.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VIASD_TUNE_API_KEY if set, else none; "
+        "the variable keeps the key out of the process list)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests that may wait while one generates (batch 1); more get 429 (default 16)",
+    )
+    s.set_defaults(func=cmd_serve)
+
     from .search.cli import add_search_commands
 
-    add_search_commands(sub, _add_model_args)
+    add_search_commands(sub, _add_model_args, _write_dashboard)
+    d = sub.add_parser("dashboard", help="write the Plotly Pareto dashboard of a study")
+    d.add_argument("--out-dir", help="a search output folder (reads its study.db)")
+    d.add_argument("--storage")
+    d.add_argument("--study-name")
+    d.add_argument("--out", help="HTML file (default <out-dir>/dashboard.html)")
+    d.set_defaults(func=cmd_dashboard)
     from .bench.cli import add_bench_command
 
     add_bench_command(sub, _add_model_args, DEFAULT_MODEL)
     return parser
+
+
+def _write_dashboard(study, out_dir, exported):
+    """A search's dashboard beside its profile: the search is below the dashboard, so the CLI hands this in."""
+    from .dashboard import write_beside_profile
+
+    return write_beside_profile(study, out_dir, exported)
+
+
+def cmd_dashboard(args) -> int:
+    from . import dashboard
+    from .credentials import check_storage
+    from .fsutil import check_output_file, check_outputs_spare_inputs
+    from .search.storage import sqlite_file
+
+    if args.out_dir and (args.storage or args.study_name):
+        raise UserError(
+            "give --out-dir, or --storage and --study-name, not both: --out-dir reads its own study.db"
+        )
+    if not args.out_dir and not (args.storage and args.study_name):
+        raise UserError("give --out-dir, or --storage and --study-name")
+    out = args.out or (str(Path(args.out_dir) / "dashboard.html") if args.out_dir else "dashboard.html")
+    if args.out:
+        check_output_file(args.out)
+    if args.out_dir:
+        read = [("--out-dir's study.db", Path(args.out_dir) / "study.db")]
+        read.append(("--out-dir's profile.json", Path(args.out_dir) / "profile.json"))
+    else:
+        read = [("--storage", sqlite_file(check_storage(args.storage)))]
+    check_outputs_spare_inputs([("--out", out)], read)  # before the study is read
+    if args.out_dir:
+        path = dashboard.dashboard_from_out_dir(args.out_dir, args.out)
+    else:
+        path = dashboard.dashboard_from_storage(args.storage, args.study_name, out)
+    print(path)
+    return 0
 
 
 def _given_flags(args) -> list[tuple[str, str]]:
@@ -236,20 +305,27 @@ def _check_category(args) -> None:
         )
 
 
-def cmd_generate(args) -> int:
-    from . import models, runtime
-    from .decoding.decoder import Decoder
-
-    check_generation(args.max_new_tokens, args.temperature, args.top_p, args.seed)  # before any model loads
-    check_text(args.prompt)
-    _check_category(args)
-    if args.strict_host and not args.profile:
+def _check_decoder_args(args) -> None:
+    """Every check of the flags that build a decoder (``generate`` and ``serve``), before any model loads or
+    any port is taken: a profile pins the routing, and --strict-host checks a profile's host."""
+    if args.profile:
+        _check_no_routing_flags(args)
+    elif args.strict_host:
         raise UserError(
             "--strict-host does nothing without --profile: it checks the host a profile was tuned on; drop it"
         )
+    else:
+        _decode_config(args)
+
+
+def _load_decoder(args):
+    """The decoder the flags ask for: a tuned --profile (its routing pinned) or --model/--draft + routing flags."""
+    from . import models, runtime
+    from .decoding.decoder import Decoder
+
+    _check_decoder_args(args)
     if args.profile:
-        _check_no_routing_flags(args)
-        decoder = runtime.load(
+        return runtime.load(
             args.profile,
             model=args.model,
             draft=args.draft,
@@ -258,14 +334,22 @@ def cmd_generate(args) -> int:
             strict=True,
             strict_host=args.strict_host,
         )
-    else:
-        config = _decode_config(args)
-        target = models.load(args.model or DEFAULT_MODEL, args.dtype, args.device, args.trust_remote_code)
-        draft = None
-        if args.draft and config.model_drafter == "model" and config.mode != "ar":
-            draft = models.load(args.draft, args.dtype, args.device, args.trust_remote_code)
-            models.check_same_tokenizer(target, draft)
-        decoder = Decoder(target.model, target.tokenizer, config, draft=draft.model if draft else None)
+    config = _decode_config(args)
+    target = models.load(args.model or DEFAULT_MODEL, args.dtype, args.device, args.trust_remote_code)
+    draft = None
+    if args.draft and config.model_drafter == "model" and config.mode != "ar":
+        draft = models.load(args.draft, args.dtype, args.device, args.trust_remote_code)
+        models.check_same_tokenizer(target, draft)
+    return Decoder(target.model, target.tokenizer, config, draft=draft.model if draft else None)
+
+
+def cmd_generate(args) -> int:
+    from . import runtime
+
+    check_generation(args.max_new_tokens, args.temperature, args.top_p, args.seed)  # before any model loads
+    check_text(args.prompt)
+    _check_category(args)
+    decoder = _load_decoder(args)
     routed = {"category": args.category} if isinstance(decoder, runtime.RoutedDecoder) else {}
     result = decoder.generate(
         args.prompt,
@@ -289,6 +373,39 @@ def cmd_generate(args) -> int:
             f"{stats['full_calls']} full calls]",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .profile import load_profile
+    from .serve import create_app, listen, run
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be from 0 to 65535 (got {args.port}); 0 picks a free port")
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue must be 0 or more (got {args.max_queue})")
+    key = args.api_key if args.api_key is not None else os.environ.get("VIASD_TUNE_API_KEY")
+    if key is not None and not key.strip():
+        raise UserError(
+            "the API key (--api-key or $VIASD_TUNE_API_KEY) is empty; give one or leave both unset"
+        )
+    _check_decoder_args(args)
+    name = args.model or (load_profile(args.profile)["target"]["name"] if args.profile else DEFAULT_MODEL)
+    sock = listen(args.host, args.port)  # a taken port fails now, not after the model has loaded
+    try:
+        app = create_app(_load_decoder(args), name, key, args.max_queue)
+    except BaseException:
+        sock.close()
+        raise
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(
+        f"viasd-tune: serving {name} at {url}/v1 (batch 1, max queue {args.max_queue})",
+        file=sys.stderr,
+        flush=True,
+    )
+    logging.getLogger("viasd_tune.serve").setLevel(logging.INFO)  # one line per request
+    run(app, sock)
     return 0
 
 

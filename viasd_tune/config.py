@@ -5,7 +5,7 @@
 - from flags or Python: ``DecodeConfig(mode=, gamma=, drafter=, skip=, draft_skip=, tau_accept=, tau_escalate=,
   kl=, recheck=, draft_confidence=, lookup_min=)``;
 - from a profile: :meth:`DecodeConfig.from_profile` (and back with :meth:`DecodeConfig.to_profile`);
-- from an Optuna trial's params: ``search.space.suggest`` (it needs the search space);
+- from an Optuna trial's params: ``search.params.suggest`` (it needs the search space);
 - from the flat JSON record a trial keeps in its user attr ``config`` (and ``generate --json`` prints):
   :meth:`DecodeConfig.from_dict` / :meth:`DecodeConfig.to_dict`.
 

@@ -85,7 +85,9 @@ def _fail(origin: str, path: str, problem: str) -> UserError:
 
 MAX_PROFILE_BYTES = 1 << 20  # an exported profile is a few kB
 MAX_PROFILE_DEPTH = 32  # its deepest value is 4 levels down
-_TOO_DEEP = f"the profile nests deeper than {MAX_PROFILE_DEPTH} levels; a profile is a flat record, re-export it"
+_TOO_DEEP = (
+    f"the profile nests deeper than {MAX_PROFILE_DEPTH} levels; a profile is a flat record, re-export it"
+)
 
 
 def _too_deep(value: Any, limit: int) -> bool:

@@ -355,6 +355,19 @@ def encode_prompt(tokenizer: Any, text: str, chat: str = "auto") -> list[int]:
     return [int(t) for t in ids]
 
 
+def encode_messages(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids for a conversation (dicts with ``role`` and ``content``) through the tokenizer's chat template,
+    ending where the assistant's reply starts."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "the model's tokenizer has no chat template, so it cannot take chat messages; send plain text instead"
+        )
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(t) for t in ids]
+
+
 def encode_all(
     tokenizer: Any, items: list[Prompt], chat: str, max_new_tokens: int, context_length: int, device: Any
 ) -> list[Any]:

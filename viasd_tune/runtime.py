@@ -11,7 +11,7 @@ import warnings
 from . import models
 from .config import DecodeConfig
 from .decoding.common import Result
-from .decoding.decoder import Decoder
+from .decoding.decoder import Decoder, StreamEnd, TextStream
 from .errors import UserError
 from .profile import configuration_profile, load_profile
 from .rule import apply_rule, prompt_features
@@ -69,6 +69,28 @@ def check_host(prof: dict, device: str, strict_host: bool) -> None:
     warnings.warn(msg, HostMismatchWarning, stacklevel=3)
 
 
+class RoutedStream:
+    """A configuration's :class:`TextStream` whose :class:`StreamEnd` names the configuration."""
+
+    def __init__(self, stream: TextStream, name: str):
+        self.stream, self.name = stream, name
+
+    def __iter__(self) -> RoutedStream:
+        return self
+
+    def __next__(self) -> str | StreamEnd:
+        item = next(self.stream)
+        if isinstance(item, StreamEnd):
+            item.result.stats.routed_to = self.name
+        return item
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 class RoutedDecoder:
     """The decoders of a routed profile's configurations and the rule that picks one per request.
 
@@ -93,6 +115,13 @@ class RoutedDecoder:
         result = self.decoders[k].generate(ids, *args, **kwargs)
         result.stats.routed_to = self.names[k]
         return result
+
+    def stream(self, prompt, *args, category: str | None = None, **kwargs) -> RoutedStream:
+        """:meth:`Decoder.stream` on the configuration the rule picks; the :class:`StreamEnd`'s
+        ``result.stats.routed_to`` names it. Bad input raises here, before anything decodes."""
+        ids = self.decoders[0].prompt_ids(prompt, kwargs.pop("chat", "auto"))
+        k = self.route(ids, category)
+        return RoutedStream(self.decoders[k].stream(ids, *args, **kwargs), self.names[k])
 
     def config_of(self, result: Result) -> DecodeConfig:
         """The configuration that produced ``result``."""

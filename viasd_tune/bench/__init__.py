@@ -4,22 +4,9 @@ Every method decodes the same prompts with the same models, dtype and device, gr
 (repeat, prompt) each method runs once and the method order rotates, so no method always runs first (a warm
 cache or a noisy neighbour then hits all methods alike). One untimed warm-up per method comes first.
 
-Methods (``hf`` always runs: it is the baseline every speedup is measured against):
-
-==========================  ===================================================================================
-``hf``                      ``target.generate(ids, do_sample=False)``
-``ar``                      our autoregressive decoder
-``hf-assisted``             HF assisted generation with the same draft, exactly γ drafts per round (the
-                            algorithm ``sd`` runs); HF reads these knobs from ``assistant_model.generation_config``
-                            only, so they are set there, on a fresh copy per call
-``hf-assisted-default``     HF assisted generation with HF's own default schedule
-``hf-assisted-conf``        (only when named) γ drafts per round with HF's default confidence cut
-``hf-assisted-heuristic``   (only when named) γ drafts to start, HF's "heuristic" schedule, reset every call
-``hf-lookup``               HF prompt-lookup decoding (γ tokens, n-grams up to 3 like ours); default without --draft
-``sd``                      our lossless speculative decoding: the draft model, or prompt lookup without --draft
-``viasd:<name>``            a tuned profile, loaded with ``runtime.load`` on the already-loaded models
-``viasd+recheck:<name>``    the same profile with ``recheck`` on (lossless VIA-SD)
-==========================  ===================================================================================
+``hf`` always runs: it is the baseline every speedup is measured against. The methods (``ar``, ``sd``, the HF
+assisted-generation variants, ``hf-lookup``, ``viasd:<name>``, ``viasd+recheck:<name>``) are listed once, with
+what each runs, in docs/bench.md; :mod:`.methods` defines them.
 
 Modules, one job each:
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import FULL, GREEDY, CachedLM, Result, Round, Sampling, Sequence, pick, run_rounds
+from .common import FULL, GREEDY, CachedLM, Result, Round, RoundHook, Sampling, Sequence, pick, run_rounds
 
 
 def generate(
@@ -14,6 +14,7 @@ def generate(
     eos_ids: set[int],
     sampling: Sampling = GREEDY,
     gen: torch.Generator | None = None,
+    on_round: RoundHook | None = None,
 ) -> Result:
     """One token per target forward."""
 
@@ -21,4 +22,4 @@ def generate(
         logits = full.forward(seq.ids, keep=1)
         return Round(seq.length, [int(pick(logits[-1], sampling, gen))], [FULL])
 
-    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full)
+    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, on_round=on_round)

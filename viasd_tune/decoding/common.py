@@ -328,6 +328,7 @@ class Round:
 
 
 RoundFn = Callable[[Sequence], Round]
+RoundHook = Callable[[Sequence, int], bool]  # (sequence, emitted tokens that are final) -> stop now
 
 
 def draft_budget(gamma: int, max_new_tokens: int, produced: int) -> int:
@@ -345,6 +346,7 @@ def run_rounds(
     full: CachedLM,
     drafter=None,
     flush: Callable[[Sequence], Round | None] | None = None,
+    on_round: RoundHook | None = None,
 ) -> Result:
     """Call ``round_fn(seq)`` until EOS or ``max_new_tokens``, cutting the last round there. Then, if ``flush`` is
     given (VIA-SD with recheck), let it re-check what no full pass has verified yet; a rollback resumes decoding.
@@ -352,8 +354,23 @@ def run_rounds(
     After each round every model's cache is rolled back to the longest prefix that is still valid, i.e. the
     sequence without its last token (which no model has seen yet); no later rollback goes below what the full
     target has committed.
+
+    ``on_round(seq, final)`` (streaming) sees the sequence after each round and how many emitted tokens are final:
+    all of them, except with a ``flush``, where only the full target's committed tokens and its own next one are
+    (a re-check may still replace the slim-settled ones after them). It returns True to stop decoding there (a
+    stop string, a client gone); the result then holds the final tokens only.
     """
     stats = full.stats
+
+    def final() -> int:
+        last = seq.length if flush is None else min(seq.length, full.committed + 1)
+        return max(0, last - seq.prompt_len)
+
+    def halted() -> bool:
+        if on_round is None or not on_round(seq, final()):
+            return False
+        seq.truncate(seq.prompt_len + final())
+        return True
 
     def done() -> bool:
         n = seq.length - seq.prompt_len
@@ -370,15 +387,18 @@ def run_rounds(
         if drafter is not None:
             drafter.rollback(seq.length - 1, floor=full.committed)
 
-    while True:
-        while not done():
+    stop = False
+    while not stop:
+        while not (stop or done()):
             apply(round_fn(seq))
             stats.rounds += 1
-        r = flush(seq) if flush is not None else None
+            stop = halted()
+        r = flush(seq) if flush is not None and not stop else None
         if r is None:
             break
         apply(r)
         stats.rounds += 1
+        stop = halted()
     out = seq.emitted
     stats.new_tokens = len(out)
     for tier, name in enumerate(TIERS):

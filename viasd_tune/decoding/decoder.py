@@ -1,5 +1,5 @@
-"""One object that holds the models and a decoding configuration and serves ``generate()``: what the CLI,
-the search and the runtime all call."""
+"""One object that holds the models and a decoding configuration and serves ``generate()`` (and ``stream()``):
+what the CLI, the search, the runtime and the server all call."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from ..errors import UserError
 from ..models import context_length
 from ..routing import install_skipping, num_layers
 from . import ar, sd, viasd
-from .common import CachedLM, Result, Sampling, Sequence, Stats
+from .common import CachedLM, Result, RoundHook, Sampling, Sequence, Stats
 from .drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
+from .streaming import StreamEnd, TextStream, check_stop
 
 __all__ = [
     "DRAFTERS",
@@ -23,6 +24,8 @@ __all__ = [
     "MODES",
     "DecodeConfig",
     "Decoder",
+    "StreamEnd",
+    "TextStream",
 ]  # the config lives in viasd_tune.config
 
 
@@ -38,7 +41,8 @@ def _layer_counts(config: DecodeConfig, target: nn.Module, draft: nn.Module | No
 
 
 class Decoder:
-    """Target (+ optional draft model) and a :class:`DecodeConfig`; ``generate`` runs one request."""
+    """Target (+ optional draft model) and a :class:`DecodeConfig`; ``generate`` runs one request, ``stream``
+    runs one as it happens."""
 
     def __init__(
         self,
@@ -69,8 +73,9 @@ class Decoder:
 
             ids = encode_prompt(self.tokenizer, prompt, chat)
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            ids = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+            from ..prompts import encode_messages
+
+            ids = encode_messages(self.tokenizer, list(prompt))
         elif (
             not isinstance(prompt, (bytes, dict))
             and hasattr(prompt, "__iter__")
@@ -119,6 +124,37 @@ class Decoder:
 
         Per-tier times (``*_time_s``) are exact on the CPU; on CUDA they need a synchronize after every forward,
         which costs speed, so they are only measured with ``tier_timing``."""
+        ids = self._checked_ids(prompt, max_new_tokens, temperature, top_p, seed, chat)
+        result = self._decode(ids, max_new_tokens, temperature, top_p, seed, tier_timing)
+        if self.tokenizer is not None:
+            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return result
+
+    def stream(
+        self,
+        prompt,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        chat: str = "auto",
+        stop: str | list[str] | None = None,
+    ) -> TextStream:
+        """:meth:`generate` as it happens: an iterator of text pieces, decoded as rounds commit final tokens
+        (never a broken multi-byte character), then one :class:`StreamEnd` with the result and its stats. Decoding
+        ends at EOS, ``max_new_tokens`` or a ``stop`` string (cut from the text). Bad input raises here, before
+        decoding starts in its own thread; the stream's ``cancel()`` / ``close()`` stop it within a round."""
+        if self.tokenizer is None:
+            raise UserError("streaming decodes text, so the decoder needs a tokenizer")
+        stops = check_stop(stop)
+        ids = self._checked_ids(prompt, max_new_tokens, temperature, top_p, seed, chat)
+
+        def run(hook: RoundHook) -> Result:
+            return self._decode(ids, max_new_tokens, temperature, top_p, seed, False, on_round=hook)
+
+        return TextStream(run, self.tokenizer, self.eos, stops)
+
+    def _checked_ids(self, prompt, max_new_tokens, temperature, top_p, seed, chat) -> torch.Tensor:
         check_generation(max_new_tokens, temperature, top_p, seed)
         ids = self.encode(prompt, chat)
         ctx = context_length(self.target)
@@ -127,6 +163,19 @@ class Decoder:
                 f"the prompt has {len(ids)} tokens; with max_new_tokens {max_new_tokens} that exceeds the "
                 f"model's context length {ctx}; shorten the prompt or lower --max-new-tokens"
             )
+        return ids
+
+    @torch.inference_mode()  # also where stream() runs it, in its own thread
+    def _decode(
+        self,
+        ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        tier_timing: bool,
+        on_round: RoundHook | None = None,
+    ) -> Result:
         sampling = Sampling(temperature, top_p)
         gen = None
         if not sampling.greedy:
@@ -139,19 +188,21 @@ class Decoder:
         full = CachedLM(self.target, tier="full", stats=stats, sync=sync)
         seq = Sequence(ids, capacity=len(ids) + max_new_tokens + cfg.gamma + 1)
         if cfg.mode == "ar":
-            result = ar.generate(full, seq, max_new_tokens, self.eos, sampling, gen)
+            result = ar.generate(full, seq, max_new_tokens, self.eos, sampling, gen, on_round)
         else:
             drafter = self._drafter(full, sampling, gen, stats, sync)
             if (cfg.mode == "viasd" or cfg.model_drafter == "self") and len(ids) > 1:
                 # Other passes share the target's cache: the target reads the prompt once, before them.
                 full.forward(seq.ids[:-1], keep=1, tier="prefill")
             if cfg.mode == "sd":
-                result = sd.generate(full, drafter, seq, max_new_tokens, self.eos, cfg.gamma, sampling, gen)
+                result = sd.generate(
+                    full, drafter, seq, max_new_tokens, self.eos, cfg.gamma, sampling, gen, on_round
+                )
             else:
-                result = viasd.generate(full, drafter, seq, max_new_tokens, self.eos, cfg, sampling, gen)
+                result = viasd.generate(
+                    full, drafter, seq, max_new_tokens, self.eos, cfg, sampling, gen, on_round
+                )
         if ids.device.type == "cuda":
             torch.cuda.synchronize()
         stats.wall_time_s = time.perf_counter() - start  # prefill included, as in every baseline we compare with
-        if self.tokenizer is not None:
-            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result

@@ -12,6 +12,7 @@ from .common import (
     CachedLM,
     Result,
     Round,
+    RoundHook,
     Sampling,
     Sequence,
     draft_budget,
@@ -41,6 +42,7 @@ def generate(
     gamma: int,
     sampling: Sampling = GREEDY,
     gen: torch.Generator | None = None,
+    on_round: RoundHook | None = None,
 ) -> Result:
     """``full``: the target over its cache (a self-draft shares it); ``drafter`` proposes each round."""
 
@@ -50,4 +52,4 @@ def generate(
         tokens = verify(p_logits, q_logits, drafts, sampling, gen)
         return Round(seq.length, tokens, [FULL] * len(tokens))
 
-    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, drafter)
+    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, drafter, on_round=on_round)

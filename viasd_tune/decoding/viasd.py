@@ -31,6 +31,7 @@ from .common import (
     CachedLM,
     Result,
     Round,
+    RoundHook,
     Sampling,
     Sequence,
     Stats,
@@ -80,6 +81,7 @@ def generate(
     cfg: DecodeConfig,
     sampling: Sampling = GREEDY,
     gen: torch.Generator | None = None,
+    on_round: RoundHook | None = None,
 ) -> Result:
     """``full``: the target over its cache, already prefilled with all but the prompt's last token."""
     stats: Stats = full.stats
@@ -168,4 +170,6 @@ def generate(
         stats.rolled_back_tokens += lag - m
         return Round(c + 1 + m, [last], [FULL])
 
-    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, drafter, flush)
+    # Without recheck nothing is ever taken back: no flush, and every token is final as soon as it is emitted.
+    last_check = flush if cfg.recheck else None
+    return run_rounds(one_round, seq, max_new_tokens, eos_ids, full, drafter, last_check, on_round=on_round)

@@ -1,8 +1,10 @@
-"""Sub-commands around the search: ``search``, ``export``, ``dashboard``."""
+"""Sub-commands around the search: ``search`` and ``export`` (``dashboard`` is the main CLI's: the dashboard sits
+above the search)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -13,7 +15,9 @@ from ..errors import UserError
 MAX_JOBS = 256  # worker processes on one machine
 
 
-def add_search_commands(sub, add_model_args) -> None:
+def add_search_commands(sub, add_model_args, dashboard=None) -> None:
+    """Register ``search`` and ``export``; ``dashboard`` writes a search's dashboard beside its profile (the main
+    CLI hands in ``viasd_tune.dashboard.write_beside_profile``, which this package may not import)."""
     s = sub.add_parser("search", help="tune the routing with Optuna and export a profile")
     add_model_args(s)
     s.add_argument(
@@ -44,7 +48,7 @@ def add_search_commands(sub, add_model_args) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # run trials only, no export
-    s.set_defaults(func=cmd_search)
+    s.set_defaults(func=functools.partial(cmd_search, dashboard=dashboard))
 
     e = sub.add_parser("export", help="re-export a profile from a study")
     e.add_argument("--storage", required=True)
@@ -58,15 +62,8 @@ def add_search_commands(sub, add_model_args) -> None:
     e.add_argument("--out", required=True, help="profile JSON path")
     e.set_defaults(func=cmd_export)
 
-    d = sub.add_parser("dashboard", help="write the Plotly Pareto dashboard of a study")
-    d.add_argument("--out-dir", help="a search output folder (reads its study.db)")
-    d.add_argument("--storage")
-    d.add_argument("--study-name")
-    d.add_argument("--out", help="HTML file (default <out-dir>/dashboard.html)")
-    d.set_defaults(func=cmd_dashboard)
 
-
-def cmd_search(args) -> int:
+def cmd_search(args, dashboard=None) -> int:
     from ..cliargs import settings_from_args
     from ..models import DEFAULT_MODEL
     from .run import SearchSettings, run_search
@@ -81,9 +78,9 @@ def cmd_search(args) -> int:
     if args.n_jobs > 1:
         from .workers import run_workers
 
-        summary = run_workers(settings, args.n_jobs)
+        summary = run_workers(settings, args.n_jobs, dashboard)
     else:
-        summary = run_search(settings)
+        summary = run_search(settings, dashboard)
     if summary:
         print_summary(summary)
     return 0
@@ -97,7 +94,9 @@ def print_summary(summary: dict) -> None:
             print(f"  dashboard: {summary['dashboard']}")
         return
     if m.get("slower_than_ar"):
-        print(f"warning: trial {summary['trial']} runs at {m['speedup_measured']:.2f}x plain decoding on held-out prompts")
+        print(
+            f"warning: trial {summary['trial']} runs at {m['speedup_measured']:.2f}x plain decoding on held-out prompts"
+        )
     vs_sd = f"{m['speedup_vs_sd']:.2f}x" if m.get("speedup_vs_sd") else "n/a"
     print(
         f"profile: {summary['profile']}  (trial {summary['trial']}, {summary['pareto']} on the feasible Pareto front)\n"
@@ -117,6 +116,7 @@ def cmd_export(args) -> int:
     from ..fsutil import check_output_file, check_outputs_spare_inputs
     from ..profile import write_profile
     from .export import build_profile, check_pick, pick_trial, routed_profile
+    from .records import StudyRecord
     from .storage import load_study, sqlite_file
 
     check_storage(args.storage)  # all before the study is read
@@ -131,7 +131,7 @@ def cmd_export(args) -> int:
         print(json.dumps({"profile": args.out, "rule": profile["routes"]["rule"], "fit": fit}, indent=2))
         return 0
     trial = pick_trial(study, args.pick)
-    held = study.user_attrs.get(f"held_out:{trial.number}")
+    held = StudyRecord.read(study).held_out.get(trial.number)
     profile = build_profile(study, trial, held)
     if held is not None and held["speedup_measured"] < 1.0:
         profile["metrics"]["slower_than_ar"] = True
@@ -141,35 +141,6 @@ def cmd_export(args) -> int:
         )
     write_profile(args.out, profile)
     print(json.dumps({"profile": args.out, "trial": trial.number, "metrics": profile["metrics"]}, indent=2))
-    return 0
-
-
-def cmd_dashboard(args) -> int:
-    from .. import dashboard
-    from ..credentials import check_storage
-    from ..fsutil import check_output_file, check_outputs_spare_inputs
-    from .storage import sqlite_file
-
-    if args.out_dir and (args.storage or args.study_name):
-        raise UserError(
-            "give --out-dir, or --storage and --study-name, not both: --out-dir reads its own study.db"
-        )
-    if not args.out_dir and not (args.storage and args.study_name):
-        raise UserError("give --out-dir, or --storage and --study-name")
-    out = args.out or (str(Path(args.out_dir) / "dashboard.html") if args.out_dir else "dashboard.html")
-    if args.out:
-        check_output_file(args.out)
-    if args.out_dir:
-        read = [("--out-dir's study.db", Path(args.out_dir) / "study.db")]
-        read.append(("--out-dir's profile.json", Path(args.out_dir) / "profile.json"))
-    else:
-        read = [("--storage", sqlite_file(check_storage(args.storage)))]
-    check_outputs_spare_inputs([("--out", out)], read)  # before the study is read
-    if args.out_dir:
-        path = dashboard.dashboard_from_out_dir(args.out_dir, args.out)
-    else:
-        path = dashboard.dashboard_from_storage(args.storage, args.study_name, out)
-    print(path)
     return 0
 
 

@@ -4,9 +4,9 @@ study's own records (so ``viasd-tune export`` needs no models)."""
 from __future__ import annotations
 
 import datetime as dt
-import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 import optuna
 
@@ -15,8 +15,12 @@ from ..errors import UserError
 from ..profile import SCHEMA_VERSION, package_versions, write_profile
 from ..rule import apply_rule, fit_rule, leaves, one_leaf
 from .front import pareto_front
+from .records import StudyRecord, TrialRecord
 
-log = logging.getLogger(__name__)
+# Writes the study's dashboard into a search's output folder (the exported trial starred, or None) and returns
+# its path, or None when there is nothing to draw: viasd_tune.dashboard.write_beside_profile. The dashboard sits
+# above the search (it reads the study's records), so the caller hands it in.
+DashboardWriter: TypeAlias = Callable[[optuna.Study, Path, "int | None"], "Path | None"]
 PICKS = ("auto", "knee", "fastest", "most-faithful", "routed")
 # Calibration speedups this close to the fastest are within run-to-run noise (a few %): among them, the
 # higher acceptance wins (it carries over to other hosts; a wall-clock edge this small may not).
@@ -33,11 +37,8 @@ ROUTE_T = 2.0
 
 def feasible_measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Complete trials confirmed by real decoding that meet the fidelity constraint."""
-    return [
-        t
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        if t.user_attrs.get("measured") and t.user_attrs.get("feasible")
-    ]
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return [t for t in complete if (r := TrialRecord.read(t)).measured and r.feasible]
 
 
 def knee(front: list[optuna.trial.FrozenTrial]) -> optuna.trial.FrozenTrial:
@@ -96,7 +97,7 @@ def pick_trial(study: optuna.Study, pick: str) -> optuna.trial.FrozenTrial:
     if not pool:
         raise UserError(
             f"study {study.study_name!r} has no measured trial meeting min fidelity "
-            f"{study.user_attrs.get('min_fidelity')}; run more trials, lower --min-fidelity, or --pick trial:N"
+            f"{StudyRecord.read(study).min_fidelity}; run more trials, lower --min-fidelity, or --pick trial:N"
         )
     if pick == "auto":
         return auto(pool)
@@ -105,7 +106,7 @@ def pick_trial(study: optuna.Study, pick: str) -> optuna.trial.FrozenTrial:
     if pick == "fastest":
         return max(pool, key=lambda t: t.values[0])
     if pick == "most-faithful":
-        return max(pool, key=lambda t: (t.user_attrs["fidelity"], t.values[0]))
+        return max(pool, key=lambda t: (TrialRecord.read(t).fidelity, t.values[0]))
     if pick == "routed":
         raise UserError("--pick routed writes a routed profile; use it with `viasd-tune export`")
     raise UserError(f"unknown --pick {pick!r}; use auto, knee, fastest, most-faithful, routed or trial:N")
@@ -113,23 +114,23 @@ def pick_trial(study: optuna.Study, pick: str) -> optuna.trial.FrozenTrial:
 
 def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out: dict | None = None) -> dict:
     """A routing profile for ``trial``; metrics from the held-out evaluation when given, else calibration."""
-    a = study.user_attrs
-    decoding = DecodeConfig.from_dict(trial.user_attrs["config"]).to_profile()
+    a, record = StudyRecord.read(study), TrialRecord.read(trial)
+    decoding = record.decode_config().to_profile()
     draft: dict = {"kind": decoding["drafter"], "name": None, "fingerprint": None, **decoding.pop("draft")}
     if model_drafter(draft["kind"]) == "model":
-        draft.update(name=a["draft"], fingerprint=a["draft_fingerprint"])
-    shares = trial.user_attrs.get("tier_shares", {"direct": 0.0, "slim": 0.0, "full": 1.0})
+        draft.update(name=a.draft, fingerprint=a.draft_fingerprint)
+    shares = record.tier_shares or {"direct": 0.0, "slim": 0.0, "full": 1.0}
     metrics = held_out or {
         "speedup_measured": trial.values[0],
         "speedup_vs_sd": None,
         "acceptance": trial.values[1],
-        "fidelity": trial.user_attrs["fidelity"],
+        "fidelity": record.fidelity,
         "tier_shares": shares,
         "held_out_prompts": 0,
     }
     metrics = {
         **metrics,
-        "speedup_modelled": trial.user_attrs.get("speedup_modelled"),
+        "speedup_modelled": record.speedup_modelled,
         "evaluated_on": "held_out" if held_out else "calibration",
     }
     metrics["acceptance_definition"] = (
@@ -137,19 +138,19 @@ def build_profile(study: optuna.Study, trial: optuna.trial.FrozenTrial, held_out
     )
     return {
         "schema_version": SCHEMA_VERSION,
-        "target": {"name": a["target"], "fingerprint": a["target_fingerprint"]},
+        "target": {"name": a.target, "fingerprint": a.target_fingerprint},
         "draft": draft,
         **decoding,
-        "dtype": a["dtype"],
-        "device": a["device"],
+        "dtype": a.dtype,
+        "device": a.device,
         "metrics": metrics,
-        "calibration": {k: a["calibration"][k] for k in ("source", "prompt_ids", "fingerprint")},
+        "calibration": {k: a.calibration[k] for k in ("source", "prompt_ids", "fingerprint")},
         "provenance": {
             "study": study.study_name,
             "trial": trial.number,
-            "storage": a.get("storage", ""),
+            "storage": a.storage if a.storage is not None else "",
             # The host its speed was measured on: a verify block costs ~1 step with AMX, 3.3 without native bf16.
-            "matrix_isa": trial.user_attrs.get("matrix_isa") or a.get("matrix_isa", "unknown"),
+            "matrix_isa": record.matrix_isa or (a.matrix_isa if a.matrix_isa is not None else "unknown"),
             "versions": package_versions(),
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         },
@@ -160,11 +161,12 @@ def _route_candidates(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Feasible measured trials with per-prompt times: the Pareto front plus the fastest of each drafter kind
     (the front ranks by overall speed and acceptance, so it can miss the configuration that wins one kind of
     prompt)."""
-    n = len(study.user_attrs["calibration"]["prompt_ids"])
-    pool = [t for t in feasible_measured(study) if len(t.user_attrs.get("prompt_s_per_token", ())) == n]
+    n = len(StudyRecord.read(study).calibration["prompt_ids"])
+    pool = [t for t in feasible_measured(study) if len(TrialRecord.read(t).prompt_s_per_token or ()) == n]
     chosen = {t.number: t for t in pareto_front(pool)}
-    for kind in {t.user_attrs["config"]["drafter"] for t in pool}:
-        best = max((t for t in pool if t.user_attrs["config"]["drafter"] == kind), key=lambda t: t.values[0])
+    drafter = {t.number: TrialRecord.read(t).decode_config().drafter for t in pool}
+    for kind in set(drafter.values()):
+        best = max((t for t in pool if drafter[t.number] == kind), key=lambda t: t.values[0])
         chosen.setdefault(best.number, best)
     return sorted(chosen.values(), key=lambda t: t.number)
 
@@ -177,8 +179,9 @@ def _side_by_side(candidates: list[optuna.trial.FrozenTrial]):
     time over the trials: absolute times from different trials are never compared."""
     import numpy as np
 
-    ar_runs = np.array([t.user_attrs["ar_prompt_s_per_token"] for t in candidates], dtype=np.float64)
-    times = np.array([t.user_attrs["prompt_s_per_token"] for t in candidates], dtype=np.float64)
+    records = [TrialRecord.read(t) for t in candidates]
+    ar_runs = np.array([r.ar_prompt_s_per_token for r in records], dtype=np.float64)
+    times = np.array([r.prompt_s_per_token for r in records], dtype=np.float64)
     ar = ar_runs.mean(axis=0)
     return np.column_stack([ar, *(times / np.maximum(ar_runs, 1e-12) * ar)])
 
@@ -203,7 +206,10 @@ def _left_out(features: list[dict], cost, depth: int):
         return cost.min(axis=1)
     rest = [[j for j in range(n) if j != i] for i in range(n)]
     return np.array(
-        [cost[i, apply_rule(_fit([features[j] for j in r], cost[r], depth), features[i])] for i, r in enumerate(rest)]
+        [
+            cost[i, apply_rule(_fit([features[j] for j in r], cost[r], depth), features[i])]
+            for i, r in enumerate(rest)
+        ]
     )
 
 
@@ -239,8 +245,8 @@ def routed_profile(study: optuna.Study) -> dict:
     standard errors, the rule is one leaf naming that configuration."""
     import numpy as np
 
-    a = study.user_attrs
-    features = a.get("calibration", {}).get("features")
+    a = StudyRecord.read(study)
+    features = (a.calibration or {}).get("features")
     candidates = _route_candidates(study) if features else []
     if not candidates:
         raise UserError(
@@ -250,7 +256,7 @@ def routed_profile(study: optuna.Study) -> dict:
     cost = _side_by_side(candidates)
     ar = cost[:, 0]
     configs = [DecodeConfig(mode="ar", drafter="lookup")] + [
-        DecodeConfig.from_dict(t.user_attrs["config"]) for t in candidates
+        TrialRecord.read(t).decode_config() for t in candidates
     ]
     names = ["ar"] + [f"trial-{t.number}" for t in candidates]
     labels = cost.argmin(axis=1)
@@ -303,8 +309,8 @@ def routed_profile(study: optuna.Study) -> dict:
     uses_model = any(configs[k].model_drafter == "model" and configs[k].mode != "ar" for k in used)
     profile["draft"] = {
         **configs[fallback].to_profile()["draft"],
-        "name": a["draft"] if uses_model else None,
-        "fingerprint": a["draft_fingerprint"] if uses_model else None,
+        "name": a.draft if uses_model else None,
+        "fingerprint": a.draft_fingerprint if uses_model else None,
     }
     if fallback == 0:  # plain decoding: what it does is known, whatever trial lent the evidence fields
         shares = {"direct": 0.0, "slim": 0.0, "full": 1.0}
@@ -354,21 +360,23 @@ def export_study(
     out: Path,
     pick: str = "auto",
     evaluate: Callable[[DecodeConfig], dict] | None = None,
+    dashboard: DashboardWriter | None = None,
 ) -> dict:
     """Write ``out/profile.json`` (the pick, held-out metrics when ``evaluate`` is given), every feasible Pareto
-    trial under ``out/pareto/``, the dashboard, and return a summary."""
+    trial under ``out/pareto/``, the dashboard when given its writer, and return a summary."""
     try:
         chosen = pick_trial(study, pick)
     except UserError:
-        _write_dashboard(study, out, None)  # nothing to export, but the study is still worth looking at
+        if dashboard is not None:  # nothing to export, but the study is still worth looking at
+            dashboard(study, out, None)
         raise
     # Finished trials are read-only in Optuna, so held-out metrics live in the study's attrs.
-    held = study.user_attrs.get(f"held_out:{chosen.number}")
+    held = StudyRecord.read(study).held_out.get(chosen.number)
     if evaluate is not None and held is None:
-        held = evaluate(DecodeConfig.from_dict(chosen.user_attrs["config"]))
-        study.set_user_attr(f"held_out:{chosen.number}", held)
+        held = evaluate(TrialRecord.read(chosen).decode_config())
+        StudyRecord(held_out={chosen.number: held}).write(study)
     profile = build_profile(study, chosen, held)
-    config = chosen.user_attrs["config"]
+    config = TrialRecord.read(chosen).config
     if held is not None and held["speedup_measured"] < 1.0:
         # A pick by rule never ships something slower than not using the tool; a trial named by the user does.
         if not pick.startswith("trial:"):
@@ -381,23 +389,13 @@ def export_study(
     front = pareto_front(feasible_measured(study))
     for t in front:
         write_profile(out / "pareto" / f"trial-{t.number:04d}.json", build_profile(study, t))
-    study.set_user_attr("exported_trial", chosen.number)
-    dashboard = _write_dashboard(study, out, chosen.number)
+    StudyRecord(exported_trial=chosen.number).write(study)
+    page = dashboard(study, out, chosen.number) if dashboard is not None else None
     return {
         "profile": str(out / "profile.json"),
         "trial": chosen.number,
         "pareto": len(front),
         "metrics": profile["metrics"],
         "config": config,
-        "dashboard": str(dashboard) if dashboard else None,
+        "dashboard": str(page) if page else None,
     }
-
-
-def _write_dashboard(study: optuna.Study, out: Path, exported: int | None) -> Path | None:
-    from ..dashboard import build_dashboard
-
-    try:
-        return build_dashboard(study, out / "dashboard.html", exported_trial=exported)
-    except UserError as e:  # e.g. no complete trial yet
-        log.warning("dashboard skipped: %s", e)
-        return None

@@ -9,7 +9,7 @@ does (:meth:`CachedLM.speculate`), and compares it with the full pass over the s
 drop is the weight a sub-layer costs, the mean KL(full || skipped) breaks ties among the many sub-layers whose
 drop is 0. The cost model prices each sub-layer kind (time saved per forward). Skip sets then come from a 0-1
 knapsack (value: time saved, weight: agreement lost; KnapSpec) at several loss budgets and from the
-cheapest-per-lost-agreement ranking at several sizes, and are enqueued with the space's own param names.
+cheapest-per-lost-agreement ranking at several sizes, and are enqueued as the space's params (``params.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from tqdm.auto import tqdm
 
 from ..decoding.common import CachedLM
 from ..routing import SkipSet, num_layers
+from . import params
 from . import space as spaces
 from .costmodel import CostModel
+from .records import TrialRecord
 from .replay import Reference
 
 BLOCK = 8  # tokens per slim pass: a verify block of gamma + 1 for the spaces' largest gamma
@@ -36,7 +38,6 @@ MAX_BLOCKS = 16
 LOSS_BUDGETS = (0.0, 0.01, 0.02, 0.05, 0.1)  # agreement the knapsack sets may lose (share of positions)
 SIZES = 4  # ranking prefixes, evenly spread over the space's skip-fraction range
 MAX_SEEDS = 8
-ATTR = "layer_importance"  # study user attr holding :meth:`Importance.to_dict`
 
 
 @dataclass
@@ -142,7 +143,7 @@ def measure(
     """Scores and prices of the sub-layers ``space`` may skip, or of all (see :func:`score_sublayers` and
     :func:`price_sublayers`)."""
     n = num_layers(target)
-    slots = spaces._slots(space, spaces._eligible_layers(space, n)) if space else None
+    slots = params.eligible_slots(space, n) if space else None
     drop, kl, positions = score_sublayers(target, refs, slots, block, progress)
     return Importance(drop, kl, price_sublayers(cost, block), positions, block)
 
@@ -152,7 +153,7 @@ def measure(
 
 def _items(imp: Importance, space: spaces.SearchSpace, n_layers: int) -> list[tuple[int, str]]:
     """The sub-layers the space lets the slim verifier skip (protection and kinds respected)."""
-    slots = spaces._slots(space, spaces._eligible_layers(space, n_layers))
+    slots = params.eligible_slots(space, n_layers)
     return [(i, k) for i, k in slots if imp.drop.get(k) and imp.drop[k][i] is not None]
 
 
@@ -227,7 +228,7 @@ def seed_skip_sets(imp: Importance, space: spaces.SearchSpace, n_layers: int) ->
     """Distinct, non-empty skip sets to start the study from: knapsack sets at each loss budget (largest size
     the space allows), then ranking prefixes at sizes spread over the space's range; at most ``MAX_SEEDS``."""
     items = _items(imp, space, n_layers)
-    lo, hi = _count_range(space, len(spaces._slots(space, spaces._eligible_layers(space, n_layers))))
+    lo, hi = _count_range(space, len(params.eligible_slots(space, n_layers)))
     picks: list[list[tuple[int, str]]] = []
     for budget in LOSS_BUDGETS:
         chosen = knapsack(imp, space, n_layers, budget, hi)
@@ -249,36 +250,16 @@ def _as_skip(chosen: list[tuple[int, str]]) -> SkipSet:
     return SkipSet.of((i for i, k in chosen if k == "attn"), (i for i, k in chosen if k == "mlp"))
 
 
-def skip_params(space: spaces.SearchSpace, n_layers: int, skip: SkipSet) -> dict[str, Any]:
-    """The space's params that :func:`spaces.suggest` decodes into exactly ``skip`` (an eligible set the
-    space's encoding can express): per_sublayer switches, or a budget fraction plus scores that rank the
-    chosen sub-layers first."""
-    slots = spaces._slots(space, spaces._eligible_layers(space, n_layers))
-    chosen = [(i, k) for i, k in slots if i in getattr(skip, k)]
-    if len(chosen) != len(skip.attn) + len(skip.mlp):
-        raise ValueError(f"skip set {skip.to_dict()} names sub-layers the space {space.source} may not skip")
-    if space.skip.encoding == "per_sublayer":
-        return {f"skip_{k}_{i}": (i, k) in chosen for i, k in slots}
-    assert space.skip.budget is not None
-    frac = min(max(len(chosen) / len(slots), space.skip.budget.low), space.skip.budget.high)
-    if round(frac * len(slots)) != len(chosen):
-        raise ValueError(f"{len(chosen)} of {len(slots)} sub-layers is outside the space's skip budget")
-    on = set(chosen)
-    # The chosen sub-layers outscore the rest, so they are the round(frac * slots) ranked first.
-    scores = {f"score_{k}_{i}": 0.75 if (i, k) in on else 0.25 for i, k in slots}
-    return {"skip_frac": frac, **scores}
-
-
 def enqueue_seeds(study: optuna.Study, space: spaces.SearchSpace, n_layers: int, imp: Importance) -> int:
     """Enqueue the seed skip sets (other params left to the sampler); a resumed study does not get them twice.
     Returns how many were enqueued."""
     TS = optuna.trial.TrialState
     live = study.get_trials(deepcopy=False, states=(TS.WAITING, TS.RUNNING, TS.COMPLETE, TS.PRUNED))
-    have = [t.system_attrs.get("fixed_params") for t in live]
+    have = [TrialRecord.read(t).enqueued for t in live]
     n = 0
     for skip in seed_skip_sets(imp, space, n_layers):
-        params = skip_params(space, n_layers, skip)  # VIA-SD: no escalate_all, as sampled trials
-        if params not in have:
-            study.enqueue_trial(params)
+        point = params.skip_params(space, n_layers, skip)  # VIA-SD: no escalate_all, as sampled trials
+        if point not in have:
+            params.enqueue(study, point)
             n += 1
     return n

@@ -1,10 +1,6 @@
-"""Search spaces: what the tuner may vary (a validated YAML file) and how an Optuna trial's params decode into
-a :class:`~viasd_tune.config.DecodeConfig` (:func:`suggest`, the one mapping from params). Param names are stable and readable so studies can be resumed, compared and plotted.
-
-τ_escalate = 0 (plain speculative decoding: every token goes to the full target) is outside the log range of
-``tau_escalate`` and Optuna 5 refuses 0 for a log distribution even as an enqueued value. So it is an explicit
-boolean param, ``escalate_all``: when True the trial is plain SD and the params that only matter for VIA-SD
-(``kl``, thresholds, skip set) are not suggested, so samplers never see values that had no effect.
+"""Search spaces, the file format: what the tuner may vary, as a YAML file validated against :data:`SCHEMA`
+and loaded into a :class:`SearchSpace`. How a trial's params map onto a decoding configuration over a space is
+``params.py``.
 """
 
 from __future__ import annotations
@@ -17,22 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import optuna
 import yaml
 
-from ..config import (
-    DRAFTERS,
-    GAMMA_MAX,
-    HYBRIDS,
-    KL_KINDS,
-    DecodeConfig,
-    applies,
-    model_drafter,
-    where_applies,
-)
+from ..config import DRAFTERS, GAMMA_MAX, KL_KINDS, applies, model_drafter, where_applies
 from ..errors import UserError
 from ..profile import schema_problem
-from ..routing import SkipSet
 
 SUBLAYERS = ("attn", "mlp")
 ENCODINGS = ("budget", "per_sublayer")
@@ -154,9 +139,6 @@ class FloatRange:
         """The centre a sampler sees: geometric on a log scale, arithmetic otherwise."""
         return math.sqrt(self.low * self.high) if self.log else (self.low + self.high) / 2
 
-    def suggest(self, trial: optuna.trial.BaseTrial, name: str) -> float:
-        return trial.suggest_float(name, self.low, self.high, log=self.log)
-
 
 @dataclass(frozen=True)
 class SkipSpec:
@@ -194,7 +176,9 @@ class SearchSpace:
         """False when the space skips nothing (``skip.budget.max: 0``): a slim verifier without skipping is the
         full target run twice, so such a space searches plain SD only (drafters, γ, confidence), e.g. for a
         routed profile on a target too small to skip layers."""
-        return not (self.skip.encoding == "budget" and self.skip.budget is not None and self.skip.budget.high == 0)
+        return not (
+            self.skip.encoding == "budget" and self.skip.budget is not None and self.skip.budget.high == 0
+        )
 
 
 # ---------------------------------------------------------------- loading
@@ -425,236 +409,6 @@ def _explain(error: jsonschema.ValidationError) -> str:
             f"missing key '{missing}'{_WHY_REQUIRED.get(missing, '')}; add it (see the shipped default.yaml)"
         )
     return f"{schema_problem(error)}; see the comments in the shipped default.yaml"
-
-
-# ---------------------------------------------------------------- decoding trials
-
-
-def evenly_spaced_skip(num_layers: int, count: int, protect_first: int, protect_last: int) -> list[int]:
-    """``count`` layers spread evenly over the unprotected ones: a self-draft that keeps every depth region
-    partly intact drafts better than one that drops a contiguous block. ``count`` is clamped to what
-    exists."""
-    layers = range(protect_first, num_layers - protect_last)
-    count = max(0, min(count, len(layers)))
-    return [layers[(2 * j + 1) * len(layers) // (2 * count)] for j in range(count)]
-
-
-def _eligible_layers(space: SearchSpace, num_layers: int) -> range:
-    layers = range(space.skip.protect_first, num_layers - space.skip.protect_last)
-    if not layers:
-        raise UserError(
-            f"search space {space.source}: $.skip: protect_first {space.skip.protect_first} + protect_last "
-            f"{space.skip.protect_last} leave no skippable layer in this {num_layers}-layer model; lower them"
-        )
-    return layers
-
-
-def _available(space: SearchSpace, drafters: list[str]) -> list[str]:
-    choices = [d for d in space.drafter if d in drafters]
-    if not choices:
-        raise UserError(
-            f"search space {space.source}: $.drafter: none of {list(space.drafter)} is available in this run "
-            f"(available: {list(drafters)}); add one of those to drafter or provide what the others need"
-        )
-    return choices
-
-
-def _slots(space: SearchSpace, layers: range) -> list[tuple[int, str]]:
-    return [(layer, kind) for layer in layers for kind in space.skip.sublayers]
-
-
-def _suggest_skip(trial: optuna.trial.BaseTrial, space: SearchSpace, layers: range) -> list[tuple[int, str]]:
-    """The (layer, kind) sub-layers the slim verifier skips."""
-    slots = _slots(space, layers)
-    if space.skip.encoding == "per_sublayer":
-        return [(i, k) for i, k in slots if trial.suggest_categorical(f"skip_{k}_{i}", [False, True])]
-    assert space.skip.budget is not None  # the schema requires it for this encoding
-    frac = space.skip.budget.suggest(trial, "skip_frac")
-    # Scores are suggested even when nothing is skipped, so every trial has the same params (samplers that
-    # model the joint space only use params all trials share).
-    scores = {(i, k): trial.suggest_float(f"score_{k}_{i}", 0.0, 1.0) for i, k in slots}
-    ranked = sorted(slots, key=lambda s: (-scores[s], s[0], SUBLAYERS.index(s[1])))
-    return ranked[: round(frac * len(slots))]
-
-
-def _draft_model_skip(space: SearchSpace, frac: float, draft_layers: int) -> SkipSet:
-    """Whole layers of the separate draft model, evenly spaced, with the slim skip set's protected ends."""
-    first, last = space.skip.protect_first, space.skip.protect_last
-    eligible = max(0, draft_layers - first - last)
-    skipped = evenly_spaced_skip(draft_layers, round(frac * eligible), first, last)
-    return SkipSet.of(skipped, skipped)
-
-
-def _suggest_confidence(trial: optuna.trial.BaseTrial, space: SearchSpace) -> float:
-    choices = space.draft_confidence
-    if isinstance(choices, FloatRange):
-        return choices.suggest(trial, "draft_confidence")
-    return choices[0] if len(choices) == 1 else trial.suggest_categorical("draft_confidence", list(choices))
-
-
-def suggest(
-    trial: optuna.trial.BaseTrial,
-    space: SearchSpace,
-    num_layers: int,
-    drafters: list[str],
-    draft_layers: int | None = None,
-) -> DecodeConfig:
-    """Sample one VIA-SD configuration; also stored as user attr "config" (:meth:`DecodeConfig.to_dict`) so
-    dashboards and exports need not re-decode. ``tau_escalate == 0`` is plain SD. ``draft_layers``: the separate
-    draft model's layer count, for the space's ``draft_model`` skip set (``None``: no draft model, none applied).
-
-    A param is only suggested where it has an effect: ``draft_confidence`` for model drafters (prompt lookup has
-    no confidence), ``recheck`` for VIA-SD with a slim tier (plain SD is lossless already)."""
-    choices = _available(space, drafters)
-    layers = _eligible_layers(space, num_layers)
-    drafter = trial.suggest_categorical("drafter", choices)
-    gamma = trial.suggest_categorical("gamma", list(space.gamma))
-    draft_skip = SkipSet()
-    lookup_min = 1
-    if drafter in HYBRIDS and space.lookup_min is not None:
-        lookup_min = trial.suggest_int("lookup_min", *space.lookup_min)
-    if model_drafter(drafter) == "self":
-        assert space.self_draft_skip_fraction is not None  # the schema requires it when drafter lists self
-        frac = space.self_draft_skip_fraction.suggest(trial, "self_skip_frac")
-        skipped_layers = evenly_spaced_skip(
-            num_layers, round(frac * len(layers)), space.skip.protect_first, space.skip.protect_last
-        )
-        draft_skip = SkipSet.of(skipped_layers, skipped_layers)
-    if (
-        model_drafter(drafter) == "model"
-        and space.draft_model_skip_fraction is not None
-        and draft_layers is not None
-    ):
-        frac = space.draft_model_skip_fraction.suggest(trial, "draft_model_skip_frac")
-        draft_skip = _draft_model_skip(space, frac, draft_layers)
-    confidence = 0.0 if drafter == "lookup" else _suggest_confidence(trial, space)
-    if _enqueued_escalate_all(trial) or not space.slim_tier:
-        # Plain SD (what VIA-SD with tau_escalate 0 is, token for token), run and exported as mode sd: the
-        # engine's SD round, and a profile that says what it is (no kl, thresholds or skip set: SD has none).
-        cfg = DecodeConfig(
-            mode="sd",
-            gamma=gamma,
-            drafter=drafter,
-            draft_skip=draft_skip,
-            draft_confidence=confidence,
-            lookup_min=lookup_min,
-        )
-    else:
-        kl = trial.suggest_categorical("kl", list(space.kl))
-        tau_escalate = space.tau_escalate.suggest(trial, "tau_escalate")
-        ratio = space.tau_accept_ratio.suggest(trial, "tau_accept_ratio")
-        skipped = _suggest_skip(trial, space, layers)
-        recheck = (
-            space.recheck[0]
-            if len(space.recheck) == 1
-            else trial.suggest_categorical("recheck", list(space.recheck))
-        )
-        cfg = DecodeConfig(
-            mode="viasd",
-            gamma=gamma,
-            drafter=drafter,
-            skip=SkipSet.of((i for i, k in skipped if k == "attn"), (i for i, k in skipped if k == "mlp")),
-            draft_skip=draft_skip,
-            tau_accept=ratio * tau_escalate,
-            tau_escalate=tau_escalate,
-            kl=kl,
-            recheck=recheck,
-            draft_confidence=confidence,
-            lookup_min=lookup_min,
-        )
-    trial.set_user_attr("config", cfg.to_dict())
-    return cfg
-
-
-def _enqueued_escalate_all(trial: optuna.trial.BaseTrial) -> bool:
-    """Plain SD (τ_escalate = 0) is a reference point we enqueue, not a region to sample: a free boolean would
-    spend about half of every random/TPE warm-up on it. So the parameter exists only in enqueued trials."""
-    fixed: dict[str, Any] = {}
-    if isinstance(trial, optuna.trial.FixedTrial):
-        fixed = trial.params
-    elif isinstance(trial, optuna.trial.Trial):
-        fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params", {})
-    return "escalate_all" in fixed and trial.suggest_categorical("escalate_all", [False, True])
-
-
-def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> list[dict[str, Any]]:
-    """Params of the reference trials: VIA-SD with the least skipping the space allows (0 in the shipped
-    spaces) and mid thresholds, then plain SD once per available drafter, and the draft model as HF assisted
-    generation runs it (where the space allows other than the plain-SD point). Runs the baselines early so every
-    study can be compared, and so a cheap drafter's plain SD (prompt lookup costs no forward) is always measured
-    even when the space lists a slower drafter first."""
-    layers = _eligible_layers(space, num_layers)
-    available = _available(space, drafters)
-    gamma = min((g for g in space.gamma if g >= 4), default=max(space.gamma))
-
-    def draft(drafter: str) -> dict[str, Any]:
-        params: dict[str, Any] = {"drafter": drafter, "gamma": gamma}
-        if drafter in HYBRIDS and space.lookup_min is not None:
-            params["lookup_min"] = space.lookup_min[0]
-        if model_drafter(drafter) == "self":
-            assert space.self_draft_skip_fraction is not None
-            params["self_skip_frac"] = space.self_draft_skip_fraction.mid()
-        if model_drafter(drafter) == "model" and space.draft_model_skip_fraction is not None:
-            params["draft_model_skip_frac"] = space.draft_model_skip_fraction.low  # the draft model as it is
-        if drafter != "lookup":
-            if isinstance(space.draft_confidence, FloatRange):
-                params["draft_confidence"] = space.draft_confidence.mid()
-            elif len(space.draft_confidence) > 1:
-                params["draft_confidence"] = space.draft_confidence[0]
-        return params
-
-    if space.skip.encoding == "per_sublayer":
-        skip: dict[str, Any] = {f"skip_{k}_{i}": False for i, k in _slots(space, layers)}
-    else:
-        assert space.skip.budget is not None
-        skip = {"skip_frac": space.skip.budget.low}
-    no_skip = {
-        **draft(available[0]),
-        "escalate_all": False,
-        "kl": space.kl[0],
-        "tau_escalate": space.tau_escalate.mid(),
-        "tau_accept_ratio": space.tau_accept_ratio.mid(),
-        **skip,
-        **({"recheck": space.recheck[0]} if len(space.recheck) > 1 else {}),
-    }
-    plains = [{**draft(d), "escalate_all": True} for d in available]
-    assisted = _assisted_like(space, available, draft)
-    return ([no_skip] if space.slim_tier else []) + plains + ([assisted] if assisted and assisted not in plains else [])
-
-
-HF_CONFIDENCE = 0.4  # transformers' default assistant_confidence_threshold
-
-
-def _assisted_like(space: SearchSpace, available: list[str], draft) -> dict[str, Any] | None:
-    """Plain SD with the draft model as HF assisted generation drafts by default: long drafts (the space's
-    largest γ) cut where the draft's confidence falls below 0.4. That is the bar a profile must beat, and the
-    mid-γ reference misses it where the draft is reliably right (on math, HF's default ran 1.5x AR on the Qwen
-    pair where γ 4 ran 1.2x)."""
-    if "model" not in available:
-        return None
-    params = {**draft("model"), "gamma": max(space.gamma), "escalate_all": True}
-    choices = space.draft_confidence
-    if isinstance(choices, FloatRange):
-        params["draft_confidence"] = min(max(HF_CONFIDENCE, choices.low), choices.high)
-    elif len(choices) > 1:
-        params["draft_confidence"] = min(choices, key=lambda c: abs(c - HF_CONFIDENCE))
-    return params
-
-
-def enqueue_known_points(
-    study: optuna.Study, space: SearchSpace, num_layers: int, drafters: list[str]
-) -> None:
-    """Enqueue the no-skip and plain-SD reference trials; a resumed study does not get them twice.
-
-    Only a reference trial that is waiting, running or finished counts as already there: one that failed
-    (Ctrl-C, a crash) is enqueued again, so the baselines are always measured. (Optuna's ``skip_if_exists``
-    counts failed trials too.)"""
-    TS = optuna.trial.TrialState
-    live = study.get_trials(deepcopy=False, states=(TS.WAITING, TS.RUNNING, TS.COMPLETE, TS.PRUNED))
-    have = [t.system_attrs.get("fixed_params") for t in live] + [t.params for t in live]
-    for params in known_points(space, num_layers, drafters):
-        if params not in have:
-            study.enqueue_trial(params)
 
 
 def space_signature(space: SearchSpace, num_layers: int) -> str:

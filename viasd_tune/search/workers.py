@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..credentials import ScrubFilter, scrub
 from ..errors import UserError
+from .export import DashboardWriter
 from .run import SearchSettings, run_search
 
 
@@ -27,8 +28,9 @@ def worker_settings(s: SearchSettings) -> SearchSettings:
     return dataclasses.replace(s, storage=storage, study_name=s.study_name or out.name)
 
 
-def run_workers(s: SearchSettings, n_jobs: int) -> dict:
-    """Run the search in this process and ``n_jobs - 1`` worker processes; returns this process's summary."""
+def run_workers(s: SearchSettings, n_jobs: int, dashboard: DashboardWriter | None = None) -> dict:
+    """Run the search in this process and ``n_jobs - 1`` worker processes; returns this process's summary
+    (this process exports, with the dashboard when given its writer)."""
     if n_jobs < 1:
         raise UserError(f"--n-jobs must be at least 1 (got {n_jobs})")
     s = worker_settings(s)  # each process creates the folder once its own checks pass
@@ -40,7 +42,7 @@ def run_workers(s: SearchSettings, n_jobs: int) -> dict:
             procs.append(p)
             p.stdin.write(payload)
             p.stdin.close()
-        return run_search(s)  # this process counts toward the trials too, and exports at the end
+        return run_search(s, dashboard)  # this process counts toward the trials too, and exports at the end
     finally:
         for p in procs:
             p.wait()
