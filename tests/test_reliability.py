@@ -382,7 +382,8 @@ def test_a_dead_workers_retry_starts_clean(tmp_path, monkeypatch):
     """Found while tracing issue 31 item 8: the retry of a trial failed as stale carried that trial's user attrs
     (Optuna's retry callback copies them): the dead worker's name, its config and any partial measurements, until
     the retry's own worker overwrote them (and a retry screened out by the replay kept the dead trial's
-    measurements). The retry now holds the same params and retry history, and no user attrs."""
+    measurements). The retry now holds the same params, retry history and enqueued params, nothing else."""
+    from viasd_tune.search.records import TrialRecord
     from viasd_tune.search.storage import RetryStaleTrial
 
     monkeypatch.setenv("VIASD_HEARTBEAT_INTERVAL", "1")
@@ -395,6 +396,7 @@ def test_a_dead_workers_retry_starts_clean(tmp_path, monkeypatch):
     trial.suggest_float("x", 0.0, 1.0)
     trial.set_user_attr("worker", "host:123")
     trial.set_user_attr("agreement", 0.5)  # a partial measurement of the dead trial
+    trial.set_user_attr("enqueued", {"x": 0.5, "escalate_all": True})  # how it was queued: a reference point
     storage.record_heartbeat(trial._trial_id)
     time.sleep(3)  # past the 1 s grace period (SQLite's clock ticks in whole seconds)
     with warnings.catch_warnings():  # experimental API; and heartbeats outside Study.optimize, as a test
@@ -402,7 +404,9 @@ def test_a_dead_workers_retry_starts_clean(tmp_path, monkeypatch):
         optuna.storages.fail_stale_trials(study)
     dead, retry = study.trials
     assert dead.state == TS.FAIL and retry.state == TS.WAITING
-    assert retry.user_attrs == {} and retry.params == dead.params
+    # what it was queued with stays (a reference point's retry is one too), what the dead run recorded goes
+    assert retry.user_attrs == {"enqueued": {"x": 0.5, "escalate_all": True}} and retry.params == dead.params
+    assert TrialRecord.read(retry).reference
     assert retry.system_attrs["failed_trial"] == 0 and retry.system_attrs["retry_history"] == [0]
     # a retry of the retry keeps the history; past max_retry none is queued
     callback = RetryStaleTrial(max_retry=2)

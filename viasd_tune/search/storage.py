@@ -13,6 +13,7 @@ import optuna
 
 from ..credentials import check_storage, redact, scrub
 from ..errors import UserError
+from .records import TrialRecord
 
 
 def open_study(storage, name: str, seed: int, min_fidelity: float) -> optuna.Study:
@@ -101,9 +102,11 @@ def _lock_on_begin(engine) -> None:
 class RetryStaleTrial:
     """Re-queue a trial whose worker died (its heartbeat went stale) with the same params, as Optuna's
     ``RetryHeartbeatStaleTrialCallback`` does (same ``failed_trial`` / ``retry_history`` system attrs, at most
-    ``max_retry`` retries), but without the dead trial's user attrs: Optuna copies them, so a retry showed the dead
-    worker's name and whatever partial results it had recorded until its own worker overwrote them, and a retry
-    screened out by the replay kept the dead trial's measurements."""
+    ``max_retry`` retries), but without what the dead run recorded: Optuna copies every user attr, so a retry
+    showed the dead worker's name and whatever partial results it had recorded until its own worker overwrote
+    them, and a retry screened out by the replay kept the dead trial's measurements. What the trial was queued
+    with (``TrialRecord.enqueued``) is kept: it makes a reference point one, and a retry must run the same
+    configuration (without it a plain-SD reference point's retry sampled a VIA-SD configuration)."""
 
     def __init__(self, max_retry: int):
         self.max_retry = max_retry
@@ -118,6 +121,7 @@ class RetryStaleTrial:
             params=trial.params,
             distributions=trial.distributions,
             system_attrs=system_attrs,
+            user_attrs=TrialRecord(enqueued=TrialRecord.read(trial).enqueued).attrs(),
         )
         study.add_trial(retry)
 
