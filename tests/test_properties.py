@@ -1,8 +1,10 @@
 """Property tests (hypothesis) over random prompts, γ, skip sets, thresholds, divergences and drafters.
 
 (i) the lossless configurations equal greedy ``ar``; (ii) statistics add up for any configuration, greedy or
-sampled; (iii) with τ_accept = τ_escalate = ∞ the output is exactly the drafter's own greedy proposal plus the
-slim verifier's one token per round, reproduced here from cache-free forwards.
+sampled; (iii) with τ_accept = τ_escalate = ∞ every round is the drafter's proposal, all accepted, plus the slim
+verifier's one token. Every drafter is covered, the hybrids included. The oracles are independent of the engine's
+code: cache-free forwards for the models, and for prompt lookup what any lookup must satisfy (a copy of what
+followed an earlier occurrence of the context's longest recurring suffix n-gram), not which occurrence it picks.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import sys
 import pytest
 import torch
 from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model, valid_config
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from viasd_tune.config import DecodeConfig
-from viasd_tune.decoding.common import DIRECT, FULL, SLIM, divergence, draft_budget
+from viasd_tune.config import DRAFTERS, DecodeConfig, model_drafter
+from viasd_tune.decoding.common import DIRECT, FULL, SLIM, divergence
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.routing import SkipSet, skipping
 
@@ -54,7 +56,8 @@ skip_sets = st.builds(
 )
 nonempty_skip_sets = skip_sets.filter(lambda s: not s.is_empty)
 gammas = st.integers(1, 6)
-drafters = st.sampled_from(["model", "self", "lookup"])
+drafters = st.sampled_from(DRAFTERS)  # the hybrids lookup+model and lookup+self included
+lookup_mins = st.integers(1, 4)
 kls = st.sampled_from(["forward", "reverse", "js"])
 archs = st.sampled_from(ARCHS)
 new_tokens = st.integers(1, 16)
@@ -94,39 +97,40 @@ def argmax_next(model, seq: list[int], skip: SkipSet | None = None) -> int:
         return int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
 
 
-def lookup_proposal(seq: list[int], gamma: int, prompt_len: int, max_ngram: int = 3) -> list[int]:
-    """Prompt lookup, written independently: among the earlier occurrences of the longest matching suffix
-    n-gram (n ≤ max_ngram) that have a successor, the latest one starting in the emitted text, else the earliest
-    (one in the prompt); up to γ tokens after it."""
-    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
-        starts = [s for s in range(len(seq) - n) if seq[s : s + n] == seq[-n:]]
-        if starts:
-            emitted = [s for s in starts if s >= prompt_len]
-            start = emitted[-1] if emitted else starts[0]
-            return seq[start + n : start + n + gamma]
-    return []
-
-
 def argmax_over_committed(model, seq: list[int], committed: int, skip: SkipSet) -> int:
     """The next token of a pass under ``skip`` over the full model's KV of ``seq[:committed]``."""
     return int(logits_over_committed(model, seq, committed, skip)[-1].argmax())
 
 
-def drafter_proposal(
-    arch, drafter: str, draft_skip: SkipSet, seq: list[int], gamma: int, committed: int, prompt_len: int
-):
-    """The drafter's greedy proposal: prompt lookup; the draft model under ``draft_skip`` over its own cache
-    (a cache-free forward); or the self-draft over the target's committed KV."""
+def model_proposal(
+    arch, source: str, draft_skip: SkipSet, seq: list[int], k: int, committed: int
+) -> list[int]:
+    """The model drafter's greedy continuation of ``seq`` (k tokens): the draft model under ``draft_skip`` over its
+    own cache (a cache-free forward), or the self-draft over the target's committed KV."""
     target, draft = MODELS[arch]
-    if drafter == "lookup":
-        return lookup_proposal(seq, gamma, prompt_len)
     out: list[int] = []
-    for _ in range(gamma):
-        if drafter == "model":
+    for _ in range(k):
+        if source == "model":
             out.append(argmax_next(draft, seq + out, draft_skip))
         else:
             out.append(argmax_over_committed(target, seq + out, committed, draft_skip))
     return out
+
+
+def lookup_copies(seq: list[int], max_ngram: int = 3) -> list[list[int]]:
+    """What prompt lookup may copy from: for each earlier occurrence (one with a successor) of the longest suffix
+    n-gram of ``seq`` that recurs (n ≤ max_ngram), everything that followed it. Empty when no token recurs."""
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        starts = [s for s in range(len(seq) - n) if seq[s : s + n] == seq[-n:]]
+        if starts:
+            return [seq[s + n :] for s in starts]
+    return []
+
+
+def is_lookup(drafts: list[int], copies: list[list[int]], room: int) -> bool:
+    """Whether ``drafts`` is a lookup proposal with ``room`` for that many tokens: a copy's first tokens, as many
+    as the copy holds and the room allows."""
+    return any(drafts == copy[: len(drafts)] and len(drafts) == min(room, len(copy)) for copy in copies)
 
 
 # ------------------------------------------------------------------------------------------------ (i)
@@ -135,10 +139,14 @@ def drafter_proposal(
 @st.composite
 def lossless_configs(draw) -> DecodeConfig:
     gamma, drafter, draft_skip = draw(gammas), draw(drafters), draw(nonempty_skip_sets)
+    lookup_min = draw(lookup_mins)
     kind = draw(st.sampled_from(["sd", "viasd-escalate0", "viasd-empty-skip", "viasd-recheck"]))
     if kind == "sd":
-        return valid_config(mode="sd", gamma=gamma, drafter=drafter, draft_skip=draft_skip)
-    if kind == "viasd-recheck":  # any skip set and thresholds: the target re-checks whatever the others settle
+        return valid_config(
+            mode="sd", gamma=gamma, drafter=drafter, draft_skip=draft_skip, lookup_min=lookup_min
+        )
+    # viasd-recheck: any skip set and thresholds, the target re-checks whatever the others settle
+    if kind == "viasd-recheck":
         tau_accept, tau_escalate = draw(thresholds())
         return valid_config(
             mode="viasd",
@@ -151,6 +159,7 @@ def lossless_configs(draw) -> DecodeConfig:
             kl=draw(kls),
             recheck=True,
             draft_confidence=draw(st.sampled_from([0.0, 0.3, 0.9])),
+            lookup_min=lookup_min,
         )
     if kind == "viasd-escalate0":
         tau = (0.0, 0.0)
@@ -167,6 +176,7 @@ def lossless_configs(draw) -> DecodeConfig:
         tau_accept=tau[0],
         tau_escalate=tau[1],
         kl=draw(kls),
+        lookup_min=lookup_min,
     )
 
 
@@ -205,6 +215,7 @@ def any_configs(draw) -> DecodeConfig:
         kl=draw(kls),
         recheck=draw(st.booleans()),
         draft_confidence=draw(st.sampled_from([0.0, 0.5])),
+        lookup_min=draw(lookup_mins),
     )
 
 
@@ -220,7 +231,8 @@ def any_configs(draw) -> DecodeConfig:
     seed=st.integers(0, 2**31 - 1),
 )
 def test_stats_add_up(arch, prompt, config, n, eos, temperature, top_p, seed):
-    sampling = {"top_p": top_p, "seed": seed} if temperature else {}  # greedy reads neither (and refuses them)
+    # greedy reads neither (and refuses them)
+    sampling = {"top_p": top_p, "seed": seed} if temperature else {}
     result = decode(arch, config, prompt, n, eos, temperature=temperature, **sampling)
     s, ids, tiers = result.stats, result.token_ids, result.tiers
     assert len(ids) == len(tiers) == s.new_tokens
@@ -251,9 +263,28 @@ def test_stats_add_up(arch, prompt, config, n, eos, temperature, top_p, seed):
         assert s.tokens_direct == s.tokens_slim == s.slim_calls == 0
     if config.mode != "ar" and config.drafter == "lookup":
         assert s.draft_calls == 0
+    if config.mode != "ar":  # every round drafts from one source: lookup (plain or a hybrid's) or a model
+        assert s.rounds_lookup + s.rounds_model >= s.rounds - s.rollbacks - config.recheck
+        assert (s.rounds_lookup > 0) <= config.drafter.startswith("lookup")
+        assert (s.rounds_model > 0) <= (config.drafter != "lookup")
 
 
 # ------------------------------------------------------------------------------------------------ (iii)
+
+
+def rounds_of(tokens: list[int], tiers: list[int]) -> list[tuple[list[int], int | None]]:
+    """The output split into rounds: (direct tokens, the closing token's tier, or None for a round cut at
+    max_new_tokens after its direct tokens)."""
+    out, direct = [], []
+    for tok, tier in zip(tokens, tiers, strict=True):
+        if tier == DIRECT:
+            direct.append(tok)
+        else:
+            out.append((direct + [tok], tier))
+            direct = []
+    if direct:
+        out.append((direct, None))
+    return out
 
 
 @SETTINGS
@@ -266,10 +297,19 @@ def test_stats_add_up(arch, prompt, config, n, eos, temperature, top_p, seed):
     skip=skip_sets,
     kl=kls,
     n=new_tokens,
+    lookup_min=lookup_mins,
 )
-def test_infinite_thresholds_accept_every_draft(arch, prompt, gamma, drafter, draft_skip, skip, kl, n):
+# A lookup copy of exactly lookup_min < γ tokens: the hybrid must use it.
+@example("llama", [5, 6, 7, 5, 6], 4, "lookup+self", SkipSet.of([1], [1]), SkipSet(), "forward", 8, 3)
+@example("qwen2", [5, 6, 7, 5, 6], 4, "lookup+model", SkipSet.of([1], [1]), SkipSet(), "js", 8, 3)
+def test_infinite_thresholds_accept_every_draft(
+    arch, prompt, gamma, drafter, draft_skip, skip, kl, n, lookup_min
+):
     """Each round: the drafter's k ≤ γ proposals, all accepted directly, then the slim verifier's greedy token
-    after them. A round with no proposal (lookup without a match) gets one token from a verifier."""
+    after them; a round with no proposal (lookup without a match) gets the full target's token. A model drafter
+    proposes its greedy continuation, γ tokens unless fewer reach max_new_tokens with the verifier's token;
+    lookup, a copy (as many tokens as γ and the copy allow); a hybrid, a lookup copy of at least min(lookup_min,
+    γ) tokens when it finds one, else its model's continuation."""
     config = valid_config(
         mode="viasd",
         gamma=gamma,
@@ -279,31 +319,45 @@ def test_infinite_thresholds_accept_every_draft(arch, prompt, gamma, drafter, dr
         tau_accept=INF,
         tau_escalate=INF,
         kl=kl,
+        lookup_min=lookup_min,
     )
     result = decode(arch, config, prompt, n, set())
     target, _ = MODELS[arch]
-    seq, expected_tiers, i = list(prompt), [], 0
+    source = model_drafter(drafter)
+    seq = list(prompt)
     committed = len(prompt) - 1  # the target prefills all but the prompt's last token
-    while i < n:
-        budget = draft_budget(gamma, n, i)  # what max_new_tokens leaves besides the bonus
-        drafts = drafter_proposal(arch, drafter, draft_skip, seq, budget, committed, len(prompt))
-        if drafts:
-            bonus = argmax_over_committed(target, seq + drafts, committed, skip)
-            tokens, tiers = drafts + [bonus], [DIRECT] * len(drafts) + [SLIM]
+    for tokens, tier in rounds_of(result.token_ids, result.tiers):
+        i = len(seq) - len(prompt)
+        where = f"round at new token {i}"
+        drafts = tokens[:-1] if tier is not None else tokens
+        # Room for drafts: γ, or what max_new_tokens leaves besides the verifier's token (at least one), as HF's
+        # assisted generation caps them.
+        room = max(1, min(gamma, n - i - 1))
+        copies = lookup_copies(seq)
+        if tier == FULL:  # no proposal: only plain lookup finds none
+            assert drafter == "lookup" and not copies and not drafts, where
+            assert tokens == [argmax_next(target, seq)], where
+            committed = len(seq)  # the target's forward committed the sequence
         else:
-            # No proposal (lookup without a match): the full target decides the token and catches up.
-            tokens, tiers = [argmax_next(target, seq)], [FULL]
-            committed = len(seq)
-        tokens, tiers = tokens[: n - i], tiers[: n - i]
-        assert result.token_ids[i : i + len(tokens)] == tokens, f"round starting at new token {i}"
-        expected_tiers += tiers
+            assert tier in (SLIM, None) and drafts, where
+            by_lookup = drafter.startswith("lookup") and is_lookup(drafts, copies, room)
+            if tier is None:  # cut at max_new_tokens: the proposal's first tokens
+                by_lookup = drafter.startswith("lookup") and any(c[: len(drafts)] == drafts for c in copies)
+            if drafter == "lookup":
+                assert by_lookup, where
+            elif not by_lookup:
+                if drafter != source:  # a hybrid drafts by model only when its lookup copies too little
+                    short = min(lookup_min, room)
+                    assert not copies or any(min(room, len(c)) < short for c in copies), where
+                assert drafts == model_proposal(arch, source, draft_skip, seq, len(drafts), committed), where
+                assert tier is None or len(drafts) == room, where
+            if tier is not None:
+                assert tokens[-1] == argmax_over_committed(target, seq + drafts, committed, skip), where
         seq += tokens
-        i += len(tokens)
-    assert result.token_ids == seq[len(prompt) :]
-    assert result.tiers == expected_tiers
+    assert len(result.token_ids) == n
     if drafter != "lookup":
         assert result.stats.full_calls == 0
-    if drafter != "self":  # (a self-draft crops the slim verifier's entries, which then re-reads the lag)
+    if source != "self":  # (a self-draft crops the slim verifier's entries, which then re-reads the lag)
         # The slim verifier feeds only what it has not seen: never the prompt, each token at most once.
         assert result.stats.slim_tokens_processed <= result.stats.slim_calls * gamma + n
 

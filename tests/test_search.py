@@ -479,8 +479,8 @@ def test_the_study_starts_from_importance_seeds(searched):
 
 def test_the_study_records_how_replayed_tier_shares_matched_decoding(searched):
     """Each decoded trial keeps its replayed tier shares beside the measured ones; the study records the tolerance
-    and how many decoded trials stayed within it. A lossless trial's replay follows the reference exactly, so
-    the plain-SD reference points (always decoded) match decoding."""
+    and how many decoded trials stayed within it. The replay runs the engine, so in fp32 it gives decoding's
+    shares, lossy trials included."""
     from viasd_tune.search.records import TIERS
     from viasd_tune.search.screen import REPLAY_TOLERANCE
 
@@ -494,18 +494,13 @@ def test_the_study_records_how_replayed_tier_shares_matched_decoding(searched):
         replayed, measured = r.replayed_tier_shares, r.tier_shares
         assert sum(replayed.values()) == pytest.approx(1.0)
         assert r.replay_gap == pytest.approx(max(abs(replayed[k] - measured[k]) for k in TIERS))
-    plain = [r for r in decoded if r.decode_config().mode == "sd"]
-    assert plain and all(r.replay_exact and r.replay_gap <= REPLAY_TOLERANCE for r in plain)
-    exact = [r for r in decoded if r.replay_exact]
-    assert all(r.replay_gap <= REPLAY_TOLERANCE for r in exact)
-    gaps = [r.replay_gap for r in decoded]
+        assert r.replay_gap == 0, r
     assert StudyRecord.read(study).replay_check == {
         "tolerance": REPLAY_TOLERANCE,
         "trials": len(decoded),
-        "within": sum(g <= REPLAY_TOLERANCE for g in gaps),
-        "max_gap": max(gaps),
+        "within": len(decoded),
+        "max_gap": 0,
     }
-    assert sum(g <= REPLAY_TOLERANCE for g in gaps) >= len(exact) >= len(plain)
 
 
 def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):

@@ -2,16 +2,23 @@
 
 The slim verifier (and the self-draft) is the *same* module as the full target: weights are shared, never
 copied. Each decoder layer's ``self_attn`` and ``mlp`` get a thin wrapper, installed once, that reads the skip
-set active on the model (set by :func:`skipping`). A skipped sub-layer returns zeros, so the residual stream
-passes through unchanged (``h + 0``); for Gemma-3 the post-norm of zeros is zero too. A skipped attention never
-touches the KV cache, so the full target, the slim verifier and the self-draft share one :class:`SharedKVCache`.
+set of the forward running in the caller's context (:func:`skipping`, a :class:`contextvars.ContextVar`): the
+model holds no skip state, so one loaded model serves concurrent decoders (threads, asyncio tasks) with
+different skip sets. A forward kwarg cannot carry it: transformers 5 (llama, qwen2, gemma3) passes a decoder
+layer's kwargs to ``self_attn`` but calls ``self.mlp(hidden_states)`` without them. A skipped sub-layer
+returns zeros, so the residual stream passes through unchanged (``h + 0``); for Gemma-3 the post-norm of zeros
+is zero too. A skipped attention never touches the KV cache, so the full target, the slim verifier and the
+self-draft share one :class:`SharedKVCache`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import re
+import threading
+import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -121,44 +128,48 @@ def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 
 
-def _skippable(module: nn.Module, kind: str, layer_idx: int, model: nn.Module) -> None:
-    """Wrap ``module.forward`` so it returns zeros while the model's active skip set names it."""
-    inner = module.forward
+# The sub-layers (module ids) skipped by the forward running in this context; None: every sub-layer runs.
+_ACTIVE: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("viasd_skip", default=None)
+_INSTALL = threading.Lock()
 
-    def forward(hidden_states: torch.Tensor, *args, **kwargs):
-        skip: SkipSet | None = model._viasd_active_skip
-        if skip is not None and layer_idx in getattr(skip, kind):
-            zeros = torch.zeros_like(hidden_states)
-            return (zeros, None) if kind == "attn" else zeros
-        return inner(hidden_states, *args, **kwargs)
 
-    module.forward = forward
+def _skippable_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """A sub-layer's forward: zeros while the forward running in the caller's context skips it."""
+    active = _ACTIVE.get()
+    if active is not None and id(self) in active:
+        zeros = torch.zeros_like(hidden_states)
+        return (zeros, None) if self._viasd_kind == "attn" else zeros
+    return self._viasd_inner(hidden_states, *args, **kwargs)
 
 
 def install_skipping(model: nn.Module) -> None:
-    """Make every attention and MLP sub-layer skippable (idempotent; weights untouched)."""
-    if getattr(model, "_viasd_skippable", False):
-        return
-    for i, layer in enumerate(decoder_layers(model)):
-        _skippable(layer.self_attn, "attn", i, model)
-        _skippable(layer.mlp, "mlp", i, model)
-    model._viasd_active_skip = None
-    model._viasd_skippable = True
+    """Make every attention and MLP sub-layer skippable (idempotent and thread-safe; weights untouched). The
+    wrappers are methods bound to their sub-layer, so a deep copy of the model gets its own."""
+    with _INSTALL:
+        if getattr(model, "_viasd_skippable", False):
+            return
+        for layer in decoder_layers(model):
+            for kind, module in (("attn", layer.self_attn), ("mlp", layer.mlp)):
+                module._viasd_kind, module._viasd_inner = kind, module.forward
+                module.forward = types.MethodType(_skippable_forward, module)
+        model._viasd_skippable = True  # the wrappers are installed; the skip set itself is never stored here
 
 
 @contextlib.contextmanager
 def skipping(model: nn.Module, skip: SkipSet | None) -> Iterator[None]:
-    """Run the model with ``skip`` active inside the block (``None`` or empty: the full model)."""
-    if (skip is None or skip.is_empty) and not getattr(model, "_viasd_skippable", False):
-        yield  # never patched: nothing to switch off
-        return
-    install_skipping(model)
-    previous = model._viasd_active_skip
-    model._viasd_active_skip = None if skip is None or skip.is_empty else skip
+    """Run the forwards of ``model`` inside the block under ``skip`` (``None`` or empty: the full model). The skip
+    set lives in the caller's context only: another thread or task running the same model is unaffected."""
+    active = None
+    if skip is not None and not skip.is_empty:
+        install_skipping(model)
+        layers = decoder_layers(model)
+        attn = {id(layers[i].self_attn) for i in skip.attn}
+        active = frozenset(attn | {id(layers[i].mlp) for i in skip.mlp})
+    token = _ACTIVE.set(active)
     try:
         yield
     finally:
-        model._viasd_active_skip = previous
+        _ACTIVE.reset(token)
 
 
 # The oldest transformers whose models decode through SharedKVCache exactly (5.17-5.23 gave plain SD tokens that
@@ -182,15 +193,63 @@ def check_transformers(version: str | None = None) -> None:
         )
 
 
-class SharedKVCache(DynamicCache):
-    """One model's KV cache, shared by its full passes and by passes that skip sub-layers (slim verifier,
-    self-draft), as Self-SD, SWIFT and LayerSkip do.
+class KVExtents:
+    """The rules of a KV cache shared by a model's full pass and its skip passes, on lengths alone: how far each
+    layer's entries reach, where a pass starts feeding and what a discard or rollback keeps.
 
     ``committed``: every layer the full pass runs holds entries that a full pass wrote for positions
     ``[0, committed)``. A pass that skips sub-layers reads those, writes speculative entries beyond them in the
-    layers whose attention it runs, and nothing elsewhere, so layers can differ in length; :meth:`begin` crops the
-    layers a pass runs to one start and points transformers' mask and length lookups at a layer that runs.
-    The full pass always starts at ``committed``: it never attends to a speculative entry.
+    layers whose attention it runs, and nothing elsewhere, so layers can differ in length. The full pass always
+    starts at ``committed``: it never attends to a speculative entry. :class:`SharedKVCache` keeps its tensors to
+    these lengths; the search's replay, which serves recorded forwards, uses them alone.
+    """
+
+    def __init__(self, n_layers: int, base: SkipSet | None = None):
+        self.base = (
+            base or SkipSet()
+        )  # what "full" means for this cache: a draft model may run with a skip set
+        self.lengths = [0] * n_layers
+        self.committed = 0
+
+    def running(self, skip: SkipSet | None) -> list[int]:
+        """Layers whose attention runs (and so reads and writes this cache) under ``skip`` (None: full)."""
+        skipped = self.base.attn | (skip.attn if skip is not None else frozenset())
+        return [i for i in range(len(self.lengths)) if i not in skipped]
+
+    def begin(self, skip: SkipSet | None, end: int) -> int:
+        """A pass under ``skip`` (None: the full pass) feeds the sequence up to ``end``: return the position it
+        starts feeding at, and record what it writes. The full pass starts at ``committed`` and commits ``end``;
+        a skip pass where its running layers agree, which is at least ``committed`` (its own speculative entries
+        beyond it stay valid until a rollback or another pass crops them)."""
+        running = self.running(skip)
+        start = (
+            self.committed
+            if skip is None
+            else min((self.lengths[i] for i in running), default=self.committed)
+        )
+        assert end > start, "nothing new to feed"
+        for i in running:
+            self.lengths[i] = end
+        if skip is None:
+            self.committed = end
+        return start
+
+    def discard(self, skip: SkipSet) -> None:
+        """Drop the speculative entries of the layers ``skip`` runs (a self-draft cleans up after drafting)."""
+        for i in self.running(skip):
+            self.lengths[i] = min(self.lengths[i], self.committed)
+
+    def rollback(self, length: int, floor: int | None = None) -> None:
+        """Forget every entry at positions >= ``length`` (``floor`` only matters to a cache that holds tensors)."""
+        self.lengths = [min(n, length) for n in self.lengths]
+        self.committed = min(self.committed, length)
+
+
+class SharedKVCache(DynamicCache):
+    """One model's KV cache, shared by its full passes and by passes that skip sub-layers (slim verifier,
+    self-draft), as Self-SD, SWIFT and LayerSkip do. Which entries a pass reads and writes is
+    :class:`KVExtents`' rule; this class keeps its tensors to it: :meth:`begin` crops the layers a pass runs to one
+    start and points transformers' mask and length lookups at a layer that runs.
     """
 
     def __init__(self, config, base: SkipSet | None = None):
@@ -199,28 +258,29 @@ class SharedKVCache(DynamicCache):
         # Sliding-window layers must keep their past until we trim it, or a rejected draft could not be rolled
         # back; :meth:`rollback` trims them to what a later crop can still need.
         self.activate_past_recording()
-        self.base = base or SkipSet()  # what "full" means for this cache: a draft model may run with a skip set
-        self.committed = 0
+        self.extents = KVExtents(len(self.layers), base)
         self._ref = list(range(len(self.layers)))
-        self._refs: dict[SkipSet, list[int]] = {}
+        self._refs: dict[SkipSet | None, list[int]] = {}
+
+    @property
+    def base(self) -> SkipSet:
+        return self.extents.base
+
+    @property
+    def committed(self) -> int:
+        return self.extents.committed
 
     def running(self, skip: SkipSet | None) -> list[int]:
-        """Layers whose attention runs (and so reads and writes this cache) under ``skip`` (None: full)."""
-        skipped = self.base.attn | (skip.attn if skip is not None else frozenset())
-        return [i for i in range(len(self.layers)) if i not in skipped]
+        return self.extents.running(skip)
 
     def length(self, layer_idx: int) -> int:
         return self.layers[layer_idx].get_seq_length()
 
-    def begin(self, skip: SkipSet | None) -> int:
-        """Prepare a forward under ``skip`` (None: the full pass) and return the position it starts feeding at.
-
-        The full pass starts at ``committed``; a skip pass where its running layers agree, which is at least
-        ``committed`` (its own speculative entries beyond it stay valid until a rollback or another pass crops them).
-        """
+    def begin(self, skip: SkipSet | None, end: int) -> int:
+        """Prepare a forward under ``skip`` (None: the full pass) of the sequence up to ``end`` and return the
+        position it starts feeding at (:meth:`KVExtents.begin`)."""
+        start = self.extents.begin(skip, end)
         running = self.running(skip)
-        lengths = [self.length(i) for i in running]
-        start = self.committed if skip is None else min(lengths, default=self.committed)
         for i in running:
             self._crop_layer(i, start)
         self._ref = self._refs.get(skip) or self._refs.setdefault(skip, self._reference_layers(running))
@@ -228,16 +288,15 @@ class SharedKVCache(DynamicCache):
 
     def discard(self, skip: SkipSet) -> None:
         """Drop the speculative entries of the layers ``skip`` runs (a self-draft cleans up after drafting)."""
-        for i in self.running(skip):
-            self._crop_layer(i, self.committed)
+        self.extents.discard(skip)
+        self._crop_to_extents()
 
     def rollback(self, length: int, floor: int | None = None) -> None:
         """Forget every entry at positions >= ``length``, then trim sliding layers to what a later crop can still
         need: no crop goes below ``floor`` (default: ``committed``; a draft model's cache passes the target's,
         since a re-check can roll back that far)."""
-        for i in range(len(self.layers)):
-            self._crop_layer(i, length)
-        self.committed = min(self.committed, length)
+        self.extents.rollback(length)
+        self._crop_to_extents()
         floor = self.committed if floor is None else min(floor, self.committed)
         for lay in self.layers:
             if lay.is_sliding and lay.is_initialized:
@@ -245,6 +304,32 @@ class SharedKVCache(DynamicCache):
                 keep = lay.get_seq_length() - max(0, floor - (lay.sliding_window - 1))
                 if lay.keys.shape[-2] > keep:
                     lay.keys, lay.values = lay.keys[..., -keep:, :], lay.values[..., -keep:, :]
+
+    def entries(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Every layer's keys and values (None where nothing was written), none trimmed: what :meth:`adopt`
+        starts another cache from."""
+        out = []
+        for lay in self.layers:
+            if not lay.is_initialized:
+                out.append(None)
+                continue
+            assert lay.keys.shape[-2] == lay.get_seq_length(), "a trimmed sliding layer cannot be adopted"
+            out.append((lay.keys, lay.values))
+        return out
+
+    def adopt(self, entries: list[tuple[torch.Tensor, torch.Tensor] | None], length: int) -> None:
+        """Start, empty, from the first ``length`` positions of full-pass ``entries`` (another cache's
+        :meth:`entries` over the same base skip set): committed to ``length`` without a forward. The tensors are
+        shared as views; every later write concatenates into new ones."""
+        assert self.committed == 0 and length > 0
+        for i, (lay, kv) in enumerate(zip(self.layers, entries, strict=True)):
+            if kv is not None and i in self.running(None):
+                lay.update(kv[0][..., :length, :], kv[1][..., :length, :])
+        self.extents.begin(None, length)
+
+    def _crop_to_extents(self) -> None:
+        for i, length in enumerate(self.extents.lengths):
+            self._crop_layer(i, length)
 
     def _crop_layer(self, i: int, length: int) -> None:
         lay = self.layers[i]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from .common import FULL, GREEDY, CachedLM, Result, Round, RoundHook, Sampling, Sequence, pick, run_rounds
+from .common import FULL, GREEDY, LM, Result, Round, RoundHook, Sampling, Sequence, pick, run_rounds
 
 
 def generate(
-    full: CachedLM,
+    full: LM,
     seq: Sequence,
     max_new_tokens: int,
     eos_ids: set[int],

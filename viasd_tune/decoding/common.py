@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..routing import SharedKVCache, SkipSet, skipping
+from ..routing import KVExtents, SharedKVCache, SkipSet, skipping
 
 # Tier labels for each emitted token.
 DIRECT, SLIM, FULL = 0, 1, 2
@@ -138,29 +138,26 @@ class Sequence:
             self.tiers += tiers
 
 
-class CachedLM:
-    """A causal LM and its one KV cache (:class:`SharedKVCache`), over a prefix of the sequence.
+class LM:
+    """What the engine asks of a causal LM over its one KV cache, whose entry rules are :class:`KVExtents`'.
 
     :meth:`forward` is the full pass (under the cache's base skip set, empty for the target): it feeds every token
     after ``committed``, so a full target that sat out some rounds catches up in one batched forward.
     :meth:`speculate` runs the same model with sub-layers skipped over the same cache: it reads the committed
     entries and feeds only what its running layers have not seen. :meth:`rollback` drops rejected tokens.
+
+    Two implementations: :class:`CachedLM` runs the model; the search's replay (``search/replay.py``) serves
+    forwards recorded earlier and prices them with a cost model. Both count every pass in ``stats``.
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        skip: SkipSet | None = None,
-        tier: str = "full",
-        stats: Stats | None = None,
-        sync: bool = False,
+        self, model: nn.Module, skip: SkipSet | None, tier: str, stats: Stats | None, cache: KVExtents
     ):
         self.model = model
         self.skip = skip or SkipSet()  # the full pass's own skip set (a draft model may run with one)
         self.tier = tier
         self.stats = stats if stats is not None else Stats()
-        self.cache = SharedKVCache(model.config, self.skip)
-        self.sync = sync  # per-tier wall time on CUDA is only honest after a synchronize; off unless asked
+        self.cache = cache
 
     @property
     def committed(self) -> int:
@@ -171,30 +168,25 @@ class CachedLM:
 
     def forward(self, ids: torch.Tensor, keep: int | None = None, tier: str | None = None) -> torch.Tensor:
         """Full pass over ``ids[committed:]`` (``ids``: 1-D, the whole sequence); float logits ``[n_new or keep, V]``."""
-        start = self.cache.begin(None)
-        logits = self._run(ids, start, self.skip, tier or self.tier, keep)
-        self.cache.committed = ids.numel()
-        return logits
+        return self._pass(ids, None, tier or self.tier, keep)
 
     def speculate(self, ids: torch.Tensor, skip: SkipSet, tier: str, keep: int | None = None) -> torch.Tensor:
         """A pass under ``skip`` over the committed entries: feeds only what its running layers have not seen and
         writes speculative entries in those layers alone."""
-        start = self.cache.begin(self.skip | skip)
-        return self._run(ids, start, self.skip | skip, tier, keep)
+        return self._pass(ids, self.skip | skip, tier, keep)
 
-    def _run(self, ids: torch.Tensor, start: int, skip: SkipSet, tier: str, keep: int | None) -> torch.Tensor:
-        new = ids[start:]
-        assert new.numel() > 0, "nothing new to feed"
-        t0 = time.perf_counter()
-        pos = torch.arange(start, ids.numel(), device=ids.device).unsqueeze(0)
-        with skipping(self.model, skip):
-            out = self.model(
-                input_ids=new.unsqueeze(0), position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=keep or 0
-            )
-        if self.sync:
-            torch.cuda.synchronize()
-        self.stats.count(tier, new.numel(), time.perf_counter() - t0)
-        return out.logits[0].float()
+    def _pass(self, ids: torch.Tensor, skip: SkipSet | None, tier: str, keep: int | None) -> torch.Tensor:
+        start = self.cache.begin(skip, ids.numel())
+        logits, seconds = self._logits(ids, start, skip, keep)
+        self.stats.count(tier, ids.numel() - start, seconds)
+        return logits
+
+    def _logits(
+        self, ids: torch.Tensor, start: int, skip: SkipSet | None, keep: int | None
+    ) -> tuple[torch.Tensor, float]:
+        """The float logits of positions ``start …`` of ``ids`` (the last ``keep``, or all) of a pass under ``skip``
+        (its whole skip set; None: the full pass) that feeds ``ids[start:]``, and the seconds it took."""
+        raise NotImplementedError
 
     def discard(self, skip: SkipSet) -> None:
         """Drop what a pass under ``skip`` wrote beyond the committed entries."""
@@ -203,6 +195,41 @@ class CachedLM:
     def rollback(self, length: int, floor: int | None = None) -> None:
         """Keep the cache for the first ``length`` tokens only (later rollbacks stay at or above ``floor``)."""
         self.cache.rollback(length, floor)
+
+
+class CachedLM(LM):
+    """A causal LM run for real over its :class:`SharedKVCache`. ``clock`` times each pass (wall time; a test may
+    pass ``time.thread_time``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        skip: SkipSet | None = None,
+        tier: str = "full",
+        stats: Stats | None = None,
+        sync: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        super().__init__(model, skip, tier, stats, SharedKVCache(model.config, skip))
+        self.sync = sync  # per-tier wall time on CUDA is only honest after a synchronize; off unless asked
+        self.clock = clock
+
+    def _logits(
+        self, ids: torch.Tensor, start: int, skip: SkipSet | None, keep: int | None
+    ) -> tuple[torch.Tensor, float]:
+        t0 = self.clock()
+        pos = torch.arange(start, ids.numel(), device=ids.device).unsqueeze(0)
+        with skipping(self.model, self.skip if skip is None else skip):
+            out = self.model(
+                input_ids=ids[start:].unsqueeze(0),
+                position_ids=pos,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=keep or 0,
+            )
+        if self.sync:
+            torch.cuda.synchronize()
+        return out.logits[0].float(), self.clock() - t0
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -343,7 +370,7 @@ def run_rounds(
     seq: Sequence,
     max_new_tokens: int,
     eos_ids: set[int],
-    full: CachedLM,
+    full: LM,
     drafter=None,
     flush: Callable[[Sequence], Round | None] | None = None,
     on_round: RoundHook | None = None,

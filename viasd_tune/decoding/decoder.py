@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -14,7 +15,7 @@ from ..errors import UserError
 from ..models import context_length
 from ..routing import install_skipping, num_layers
 from . import ar, sd, viasd
-from .common import CachedLM, Result, RoundHook, Sampling, Sequence, Stats
+from .common import LM, CachedLM, Result, RoundHook, Sampling, Sequence, Stats
 from .drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .streaming import StreamEnd, TextStream, check_stop
 
@@ -42,7 +43,10 @@ def _layer_counts(config: DecodeConfig, target: nn.Module, draft: nn.Module | No
 
 class Decoder:
     """Target (+ optional draft model) and a :class:`DecodeConfig`; ``generate`` runs one request, ``stream``
-    runs one as it happens."""
+    runs one as it happens.
+
+    ``lm`` builds the engine's view of each model over its KV cache, called as ``CachedLM`` is (model, skip,
+    tier, stats, sync): the models run for real by default; the search's replay serves recorded forwards."""
 
     def __init__(
         self,
@@ -51,10 +55,11 @@ class Decoder:
         config: DecodeConfig,
         draft: nn.Module | None = None,
         eos: set[int] | None = None,
+        lm: Callable[..., LM] = CachedLM,
     ):
         from ..models import eos_ids
 
-        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.target, self.tokenizer, self.draft, self.lm = target, tokenizer, draft, lm
         self.config = config.validate(*_layer_counts(config, target, draft))
         if config.mode != "ar" and not (config.skip.is_empty and config.draft_skip.is_empty):
             install_skipping(target)
@@ -94,7 +99,7 @@ class Decoder:
             raise UserError("the prompt is empty; give at least one token of text")
         return ids
 
-    def _drafter(self, full: CachedLM, sampling: Sampling, gen, stats: Stats, sync: bool) -> Drafter:
+    def _drafter(self, full: LM, sampling: Sampling, gen, stats: Stats, sync: bool) -> Drafter:
         cfg = self.config
         if cfg.model_drafter is None:
             return LookupDrafter(stats)
@@ -103,7 +108,7 @@ class Decoder:
                 full, sampling, gen, stats, skip=cfg.draft_skip, confidence=cfg.draft_confidence
             )
         else:
-            lm = CachedLM(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
+            lm = self.lm(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
             model = ModelDrafter(lm, sampling, gen, stats, confidence=cfg.draft_confidence)
         if cfg.drafter == cfg.model_drafter:
             return model
@@ -185,7 +190,7 @@ class Decoder:
         start = time.perf_counter()
         stats = Stats()
         sync = tier_timing and ids.device.type == "cuda"
-        full = CachedLM(self.target, tier="full", stats=stats, sync=sync)
+        full = self.lm(self.target, tier="full", stats=stats, sync=sync)
         seq = Sequence(ids, capacity=len(ids) + max_new_tokens + cfg.gamma + 1)
         if cfg.mode == "ar":
             result = ar.generate(full, seq, max_new_tokens, self.eos, sampling, gen, on_round)

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from ..routing import SkipSet
-from .common import CachedLM, Sampling, Sequence, Stats, pick
+from .common import LM, Sampling, Sequence, Stats, pick
 
 
 class Drafter(Protocol):
@@ -28,7 +28,7 @@ class ModelDrafter:
 
     def __init__(
         self,
-        lm: CachedLM,
+        lm: LM,
         sampling: Sampling,
         gen: torch.Generator | None,
         stats: Stats,

@@ -9,7 +9,7 @@ import torch
 from .common import (
     FULL,
     GREEDY,
-    CachedLM,
+    LM,
     Result,
     Round,
     RoundHook,
@@ -34,7 +34,7 @@ def verify(
 
 
 def generate(
-    full: CachedLM,
+    full: LM,
     drafter: Drafter,
     seq: Sequence,
     max_new_tokens: int,

@@ -27,8 +27,8 @@ from .common import (
     DIRECT,
     FULL,
     GREEDY,
+    LM,
     SLIM,
-    CachedLM,
     Result,
     Round,
     RoundHook,
@@ -73,7 +73,7 @@ class Proposals:
 
 
 def generate(
-    full: CachedLM,
+    full: LM,
     drafter: Drafter,
     seq: Sequence,
     max_new_tokens: int,

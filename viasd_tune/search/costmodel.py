@@ -1,8 +1,9 @@
 """A latency model of one forward call, fitted from a short micro-benchmark.
 
 Wall clock on two noisy cores is a poor objective on its own, so the search also reports a *modelled* speedup:
-every forward a configuration makes (tier, tokens processed) is priced by a linear model in the number of
-running attention and MLP sub-layers and the block size, fitted with scikit-learn on measured forwards.
+the replay prices every forward a configuration makes (its model, skip set and tokens fed) with a linear model in
+the number of running attention and MLP sub-layers and the block size, fitted with scikit-learn on measured
+forwards.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 from sklearn.linear_model import LinearRegression
 from torch import nn
 
-from ..config import model_drafter
 from ..decoding.common import CachedLM
 from ..routing import SkipSet, num_layers
 
@@ -66,31 +66,14 @@ class CostModel:
     def target_time(self, k: int, skip: SkipSet | None) -> float:
         n_attn = self.n_layers - (len(skip.attn) if skip else 0)
         n_mlp = self.n_layers - (len(skip.mlp) if skip else 0)
-        x = _features(np.array([k]), np.array([n_attn]), np.array([n_mlp]))
-        return max(float(self.target.predict(x)[0]), 1e-6)
+        x = _features(np.array([k]), np.array([n_attn]), np.array([n_mlp]))[0]
+        # LinearRegression.predict, without its input checks: the replay prices every forward it serves
+        return max(float(x @ self.target.coef_ + self.target.intercept_), 1e-6)
 
     def draft_time(self, k: int, skip: SkipSet | None = None) -> float:
         a, b = self.draft_coef or (0.0, 0.0)
         share = 1.0 - skip.fraction(self.draft_layers) if skip is not None and self.draft_layers else 1.0
         return max(a + b * k, 0.0) * share
-
-    def price(
-        self, calls: list[tuple[str, int]], slim: SkipSet, draft_skip: SkipSet | None, drafter: str
-    ) -> float:
-        """Seconds for a list of (tier, tokens processed) forwards (tiers: full, prefill, slim, draft). ``draft``
-        calls are the self-draft's (the target under ``draft_skip``) or the draft model's, as ``drafter`` says; a
-        prompt-lookup round makes none."""
-        total = 0.0
-        for tier, k in calls:
-            if tier in ("full", "prefill"):
-                total += self.target_time(k, None)
-            elif tier == "slim":
-                total += self.target_time(k, slim)
-            elif model_drafter(drafter) == "self":
-                total += self.target_time(k, draft_skip)
-            else:
-                total += self.draft_time(k, draft_skip)
-        return total
 
 
 def fit(

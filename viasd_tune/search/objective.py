@@ -35,16 +35,14 @@ class Objective:
     refs: list[replay.Reference]  # the target's own greedy output per calibration prompt
     cache: replay.ReplayCache
     cost: costmodel.CostModel
-    ar_model_time: float  # the cost model's seconds for the target's AR decoding of every reference
+    ar_model_s_per_token: float  # the replayed AR baseline's modelled seconds per token
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
         s, draft = self.settings, self.draft
         draft_layers = num_layers(draft.model) if draft else None
         cfg = params.suggest(trial, self.space, self.n_layers, self.drafters, draft_layers)
         est = replay.simulate(self.cache, cfg)
-        modelled = self.ar_model_time / max(
-            self.cost.price(est.calls, cfg.skip, cfg.draft_skip, cfg.drafter), 1e-9
-        )
+        modelled = self.ar_model_s_per_token / max(est.time_s / max(est.tokens, 1), 1e-12)
         TrialRecord(
             estimate={"fidelity": est.fidelity, "acceptance": est.acceptance, "speedup_modelled": modelled},
             speedup_modelled=modelled,
@@ -61,7 +59,7 @@ class Objective:
             trial.set_constraint("fidelity", s.min_fidelity - est.fidelity)
             return modelled, est.acceptance
         m = self._measure(cfg, flip=bool(trial.number % 2))
-        self._record_decoded(trial, m, replayed=tier_shares(est.tiers, est.tokens), replay_exact=est.exact)
+        self._record_decoded(trial, m, replayed=tier_shares(est.tiers, est.tokens))
         return m.speedup, m.acceptance
 
     def _measure(self, cfg: DecodeConfig, flip: bool) -> Measurement:
@@ -80,7 +78,7 @@ class Objective:
         return m
 
     def _record_decoded(
-        self, trial: optuna.Trial, m: Measurement, replayed: dict[str, float], replay_exact: bool
+        self, trial: optuna.Trial, m: Measurement, replayed: dict[str, float]
     ) -> None:
         min_fidelity = self.settings.min_fidelity
         TrialRecord(
@@ -92,7 +90,6 @@ class Objective:
             feasible=m.fidelity >= min_fidelity,
             tier_shares=m.tier_shares,
             replayed_tier_shares=replayed,
-            replay_exact=replay_exact,
             replay_gap=max(abs(replayed[k] - m.tier_shares[k]) for k in replayed),
             tier_time_s=m.tier_time_s,
             tokens_per_s=m.tokens_per_s,

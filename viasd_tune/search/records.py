@@ -51,9 +51,7 @@ class TrialRecord:
     agreement: float | None = None  # position-wise agreement with the target's greedy output
     exact_match: float | None = None  # share of prompts decoded exactly as the target does
     replayed_tier_shares: dict[str, float] | None = None  # the replay's tier shares beside the measured ones
-    replay_exact: bool | None = (
-        None  # the replay stayed on the reference (lossless, or settled no wrong token)
-    )
+    replay_exact: bool | None = None  # studies before the replay ran the engine: it stayed on the reference
     replay_gap: float | None = None  # largest |replayed - measured| tier share
     tier_time_s: dict[str, float] | None = None  # TIMED_TIERS -> seconds
     tokens_per_s: float | None = None

@@ -21,6 +21,7 @@ import optuna
 from .. import host, models, prompts
 from ..config import DecodeConfig
 from ..credentials import redact
+from ..decoding.fingerprint import engine_fingerprint
 from ..errors import UserError
 from ..profile import calibration_fingerprint
 from ..routing import install_skipping, num_layers
@@ -83,21 +84,22 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
     params.enqueue_known_points(study, space, n_layers, drafters)
 
     refs = references(target.model, target.tokenizer, calib_ids, s.max_new_tokens, s.progress)
+    cost = costmodel.fit(target.model, draft.model if draft else None, refs[0].prompt_ids)
     cache = replay.ReplayCache(
         target.model,
         refs,
         draft.model if draft else None,
         max_new_tokens=s.max_new_tokens,
         eos=models.eos_ids(target.model, target.tokenizer),
-        gamma_max=max(space.gamma),
+        cost=cost,
     )
-    cost = costmodel.fit(target.model, draft.model if draft else None, refs[0].prompt_ids)
-    ar_model_time = sum(len(r.output) for r in refs) * cost.target_time(1, None)
+    ar = replay.simulate(cache, DecodeConfig(mode="ar"))  # the baseline's modelled seconds per token
+    ar_model_s_per_token = ar.time_s / max(ar.tokens, 1)
     if space.slim_tier:  # scoring sub-layers takes minutes; a space that skips nothing needs no skip sets
         seed_skip_sets(study, target.model, refs, cost, space, n_layers, s.progress)
 
     objective = Objective(
-        study, s, space, n_layers, drafters, target, draft, refs, cache, cost, ar_model_time
+        study, s, space, n_layers, drafters, target, draft, refs, cache, cost, ar_model_s_per_token
     )
     optimize(study, objective, s)
     if s.worker:
@@ -139,6 +141,7 @@ def _record_study(
     calib = [p for p, _ in calib_ids]
     signature = {
         "space": spaces.space_signature(space, n_layers),
+        "engine": engine_fingerprint(),  # trials scored by another engine are not comparable
         "target": target.fingerprint["source"].get("sha256") or target.fingerprint["vocab_sha256"],
         "calibration": calibration_fingerprint([(p.id, p.text) for p in calib]),
         "max_new_tokens": s.max_new_tokens,

@@ -15,9 +15,10 @@ from .records import TIERS, TrialRecord
 
 ESTIMATE_MARGIN = 0.03  # trials estimated this far below min fidelity are not worth decoding for real
 FRONT_SLACK = 0.1  # a replayed trial is decoded unless a measured feasible one beats it by this much on both
-# Replayed and measured tier shares (direct / slim / full) of a decoded trial may differ by this much: batched
-# and incremental forwards round apart in bf16, and a lossy run leaves the reference the replay follows. The
-# study records it with how many decoded trials stayed within it (``replay_check``).
+# Replayed and measured tier shares (direct / slim / full) of a decoded trial may differ by this much: the replay
+# runs the engine itself, but its batched forwards and decoding's incremental ones round apart in bf16 (a flipped
+# near-tie changes the rest of the output). The study records it with how many decoded trials stayed within it
+# (``replay_check``).
 REPLAY_TOLERANCE = 0.05
 
 

@@ -22,8 +22,6 @@ from ..profile import schema_problem
 SUBLAYERS = ("attn", "mlp")
 ENCODINGS = ("budget", "per_sublayer")
 SHIPPED = ("default", "smoke", "model-draft", "lookup")
-# Bump when the params -> DecodeConfig mapping changes, so a study made with the old mapping is refused.
-DECODING_VERSION = 2  # 2: a round drafts at most what max_new_tokens leaves (common.draft_budget)
 
 
 def _range_schema(maximum: float | None = None) -> dict[str, Any]:
@@ -412,13 +410,13 @@ def _explain(error: jsonschema.ValidationError) -> str:
 
 
 def space_signature(space: SearchSpace, num_layers: int) -> str:
-    """Stable sha256 of the space content, the layer count and the decoding version (not the file name),
-    so a study can refuse to continue under a different space."""
+    """Stable sha256 of the space content and the layer count (not the file name), so a study can refuse to
+    continue under a different space (the engine that scores trials is pinned beside it: ``engine_fingerprint``)."""
     content = asdict(space)
     del content["source"]
     # An optional key left at its default is left out, so a study made before the key existed still resumes.
     for f in fields(SearchSpace):
         if f.default is not MISSING and content[f.name] == f.default:
             del content[f.name]
-    payload = {"space": content, "num_layers": num_layers, "decoding_version": DECODING_VERSION}
+    payload = {"space": content, "num_layers": num_layers}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
