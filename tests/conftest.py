@@ -51,6 +51,15 @@ def qwen_pair():
     return tiny_model("qwen2", seed=2, layers=4), tiny_model("qwen2", seed=3, layers=2)
 
 
+def valid_config(**fields):
+    """A DecodeConfig from drawn fields, without the ones that do nothing in its mode and drafter (DecodeConfig
+    refuses those: e.g. a drawn draft skip set when the drawn drafter is prompt lookup)."""
+    from viasd_tune.config import DecodeConfig, applies
+
+    mode, drafter = fields.get("mode", "viasd"), fields.get("drafter", "model")
+    return DecodeConfig(**{k: v for k, v in fields.items() if applies(k, mode, drafter)})
+
+
 def noisy_copy(model, scale: float = 0.1, seed: int = 0):
     """A draft that mostly agrees with ``model``: its weights plus relative Gaussian noise."""
     import copy

@@ -5,6 +5,7 @@ tau_accept > tau_escalate, gamma < 1, unknown study) live in test_search.py."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import gguf
@@ -19,10 +20,16 @@ from viasd_tune.errors import UserError
 
 
 def fails_cleanly(capsys, argv: list[str], *needles: str) -> str:
-    rc = main(argv)
+    """Exit code 2 and one line on stderr: a refusal (``viasd-tune: error:``) or, for a value refused while the
+    flags are parsed (a non-finite float), argparse's usage error (``viasd-tune <command>: error:``)."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.count("\n") == 1 and err.startswith("viasd-tune: error: ") and "Traceback" not in err, err
+    one_line = err.count("\n") == 1 and "Traceback" not in err
+    assert one_line and re.match(r"viasd-tune( \w+)?: error: ", err), err
     for needle in needles:
         assert needle in err, err
     return err

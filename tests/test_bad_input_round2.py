@@ -77,17 +77,17 @@ def test_01_oversized_profile(tmp_path, capsys, no_model_loads):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--temperature", "nan"], "temperature (--temperature) must be a finite number >= 0"),
-        (["--temperature", "inf"], "temperature (--temperature) must be a finite number >= 0"),
+        (["--temperature", "nan"], "argument --temperature: 'nan' is not a finite number"),
+        (["--temperature", "inf"], "argument --temperature: 'inf' is not a finite number"),
         (["--temperature", "-1"], "temperature"),
-        (["--top-p", "nan"], "top_p (--top-p) must be in (0, 1]"),
+        (["--top-p", "nan"], "argument --top-p: 'nan' is not a finite number"),
         (["--top-p", "0"], "top_p"),
         (["--max-new-tokens", "0"], "max_new_tokens (--max-new-tokens) must be from 1"),
         (["--max-new-tokens", "1000000000000"], "max_new_tokens"),
         (["--seed", "-1"], "seed (--seed)"),
-        (["--tau-escalate", "nan"], "thresholds must be >= 0 and finite"),
-        (["--tau-accept", "inf", "--tau-escalate", "inf"], "thresholds must be >= 0 and finite"),
-        (["--draft-confidence", "nan"], "draft_confidence"),
+        (["--tau-escalate", "nan"], "argument --tau-escalate: 'nan' is not a finite number"),
+        (["--tau-accept", "inf", "--tau-escalate", "inf"], "argument --tau-accept: 'inf' is not a finite number"),
+        (["--draft-confidence", "nan"], "argument --draft-confidence: 'nan' is not a finite number"),
         (
             ["--mode", "sd", "--drafter", "self", "--draft-skip-attn", "1-2", "--gamma", "1000000000"],
             "gamma must be from 1 to 64",
@@ -205,13 +205,13 @@ def test_09_nan_bounds_in_a_space(tiny_dirs, tmp_path, capsys, no_model_loads, o
         (["--n-jobs", "0"], "--n-jobs must be at least 1"),
         (["--n-jobs", "-2"], "--n-jobs must be at least 1"),
         (["--timeout", "-5"], "--timeout must be a number of seconds > 0"),
-        (["--timeout", "nan"], "timeout (--timeout) must be a finite number"),
+        (["--timeout", "nan"], "argument --timeout: 'nan' is not a finite number"),
         (["--max-new-tokens", "0"], "max_new_tokens (--max-new-tokens) must be from 1"),
         (["--trials", "0"], "trials (--trials) must be from 1"),
         (["--prompts", "0"], "prompts (--prompts) must be from 1"),
-        (["--held-out", "nan"], "held_out (--held-out)"),
+        (["--held-out", "nan"], "argument --held-out: 'nan' is not a finite number"),
         (["--held-out", "1"], "held_out (--held-out) must be in [0, 1)"),
-        (["--min-fidelity", "nan"], "min_fidelity (--min-fidelity)"),
+        (["--min-fidelity", "nan"], "argument --min-fidelity: 'nan' is not a finite number"),
         (["--min-fidelity", "0"], "--min-fidelity must be in (0, 1]"),
         (["--seed", "-1"], "seed (--seed)"),
         (["--study-name", " "], "--study-name must be a non-empty name"),
@@ -351,12 +351,12 @@ def test_decoder_generate_raises_user_error(tiny_decoder, prompt, kwargs, needle
 
 
 def test_python_api_and_cli_say_the_same(tiny_dirs, tiny_decoder, capsys, no_model_loads):
-    err = fails_cleanly(capsys, gen(tiny_dirs, "--temperature", "nan"))
+    err = fails_cleanly(capsys, gen(tiny_dirs, "--temperature", "-1"))
     with pytest.raises(UserError) as exc:
-        tiny_decoder.generate("hi", temperature=math.nan)
+        tiny_decoder.generate("hi", temperature=-1.0)
     assert str(exc.value) == _line(err)
     with pytest.raises(UserError) as exc:
-        check_generation(128, math.nan)
+        check_generation(128, -1.0)
     assert str(exc.value) == _line(err)
     err = fails_cleanly(capsys, gen(tiny_dirs, "--gamma", "1000000000"))
     with pytest.raises(UserError) as exc:

@@ -9,6 +9,7 @@ import math
 
 import optuna
 import pytest
+from test_bad_input import fails_cleanly
 from test_profile import make_profile
 
 from viasd_tune import config as config_module
@@ -128,7 +129,7 @@ def _profile_of(cfg: DecodeConfig) -> dict:
         DecodeConfig(mode="sd", gamma=GAMMA_MAX, drafter="model", draft_skip=SkipSet.of([2, 20], [23])),
         DecodeConfig(mode="sd", drafter="self", draft_skip=SkipSet.of([1, 2], [3]), draft_confidence=0.0),
         DecodeConfig(mode="ar", drafter="lookup"),
-        DecodeConfig(drafter="lookup", kl="js", tau_escalate=2.5, recheck=True, draft_confidence=0.95),
+        DecodeConfig(drafter="lookup", kl="js", tau_escalate=2.5, recheck=True),
     ],
     ids=["viasd-recheck", "sd-draft-model-skip", "sd-self", "ar", "viasd-lookup"],
 )  # fmt: skip
@@ -205,7 +206,6 @@ def test_record_round_trip_and_older_records():
         gamma=3,
         drafter="self",
         draft_skip=SkipSet.of([2], [1, 3]),
-        recheck=True,
         draft_confidence=0.3,
     )
     record = cfg.to_dict()
@@ -218,6 +218,9 @@ def test_record_round_trip_and_older_records():
     assert DecodeConfig.from_dict(old) == DecodeConfig(
         gamma=4, drafter="lookup", skip=SkipSet.of([1]), tau_accept=0.1, tau_escalate=0.5, kl="js"
     )
+    # an older search stored the space's first kl (and other idle values) on plain-SD trials: read, not refused
+    old_sd = {**cfg.to_dict(), "kl": "js", "tau_escalate": 0.0, "recheck": True}
+    assert DecodeConfig.from_dict(old_sd) == cfg
 
 
 def _study_with_trial(config: dict) -> tuple[optuna.Study, optuna.trial.FrozenTrial]:
@@ -248,7 +251,9 @@ def _study_with_trial(config: dict) -> tuple[optuna.Study, optuna.trial.FrozenTr
     [
         DecodeConfig(gamma=4, skip=SkipSet.of([2], [3]), tau_accept=0.1, tau_escalate=0.5, kl="reverse"),
         DecodeConfig(gamma=4, drafter="self", draft_skip=SkipSet.of([5, 9], [5, 9]), recheck=True),
-        DecodeConfig(mode="sd", gamma=6, drafter="lookup", draft_confidence=0.25),
+        DecodeConfig(
+            mode="sd", gamma=6, drafter="lookup+self", draft_skip=SkipSet.of([1]), draft_confidence=0.25
+        ),
     ],
 )
 def test_export_writes_the_trials_configuration(cfg):
@@ -277,11 +282,14 @@ def test_export_reads_an_older_trials_record():
     [
         (["--gamma", "0"], "gamma must be from 1 to 64"),
         (["--gamma", "1000000000"], "gamma must be from 1 to 64"),
-        (["--tau-escalate", "nan"], "tau_escalate (--tau-escalate) is nan"),
-        (["--tau-accept", "inf", "--tau-escalate", "inf"], "tau_accept (--tau-accept) is inf"),
+        (["--tau-escalate", "nan"], "argument --tau-escalate: 'nan' is not a finite number"),
+        (
+            ["--tau-accept", "inf", "--tau-escalate", "inf"],
+            "argument --tau-accept: 'inf' is not a finite number",
+        ),
         (["--tau-accept", "2", "--tau-escalate", "1"], "tau_accept (2.0) is above tau_escalate (1.0)"),
         (["--draft-confidence", "1"], "draft_confidence (--draft-confidence) must be in [0, 1)"),
-        (["--draft-confidence", "nan"], "must be in [0, 1) (got nan)"),
+        (["--draft-confidence", "nan"], "argument --draft-confidence: 'nan' is not a finite number"),
         (["--mode", "ar", "--gamma", "-3"], "gamma must be from 1 to 64"),
         (["--tree-nodes", "65"], "tree_nodes (--tree-nodes) must be a whole number from 0 to 64"),
         (["--mode", "viasd", "--tree-nodes", "8"], "mode viasd verifies chains only"),
@@ -295,9 +303,7 @@ def test_export_reads_an_older_trials_record():
 )
 def test_cli_refuses_bad_values_before_loading_a_model(flags, needle, capsys, monkeypatch):
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("a model was loaded"))
-    rc = main(["generate", "--model", "/no/such/model", "--prompt", "hi", *flags])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and err.startswith("viasd-tune: error: ") and needle in err, err
+    fails_cleanly(capsys, ["generate", "--model", "/no/such/model", "--prompt", "hi", *flags], needle)
 
 
 def test_cli_new_flags_reach_the_config_and_the_json(tiny_dirs, capsys):

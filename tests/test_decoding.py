@@ -65,7 +65,8 @@ def test_sd_greedy_equals_ar(models, drafter):
     rng = random.Random(0)
     for i, ids in enumerate(prompts(6, seed=20)):
         gamma = rng.choice([1, 2, 3, 5, 8])
-        cfg = DecodeConfig(mode="sd", gamma=gamma, drafter=drafter, draft_skip=SkipSet.of([1, 2], [2]))
+        draft_skip = SkipSet.of([1, 2], [2]) if drafter != "lookup" else SkipSet()  # lookup runs no model
+        cfg = DecodeConfig(mode="sd", gamma=gamma, drafter=drafter, draft_skip=draft_skip)
         result = run(target, cfg, ids, draft=draft)
         assert result.token_ids == greedy_ar(target, ids), f"prompt {i}, gamma {gamma}"
         assert result.stats.tokens_full == result.stats.new_tokens == N_NEW
@@ -104,7 +105,7 @@ def test_viasd_empty_skip_is_the_target(models, drafter):
             gamma=rng.choice([2, 4, 5]),
             drafter=drafter,
             skip=SkipSet(),
-            draft_skip=SkipSet.of([1, 2], [1, 2]),
+            draft_skip=SkipSet.of([1, 2], [1, 2]) if drafter != "lookup" else SkipSet(),
             tau_accept=0.0,
             tau_escalate=tau_escalate,
             kl=rng.choice(["forward", "js"]),
@@ -188,7 +189,8 @@ def test_eos_and_max_new_tokens_stop_mid_round(models, mode):
         ref = greedy_ar(target, ids, n=30)
         eos = ref[13]  # a token the target emits at position 13 (maybe earlier too)
         stop = ref.index(eos)
-        cfg = DecodeConfig(mode=mode, gamma=5, skip=SkipSet.of([2], [1]), tau_accept=0.0, tau_escalate=0.0)
+        skip = SkipSet.of([2], [1]) if mode == "viasd" else SkipSet()  # sd has no slim verifier
+        cfg = DecodeConfig(mode=mode, gamma=5, skip=skip, tau_accept=0.0, tau_escalate=0.0)
         assert run(target, cfg, ids, draft=draft, n=30, eos={eos}).token_ids == ref[: stop + 1]
         assert greedy_ar(target, ids, n=30, eos={eos}) == ref[: stop + 1]
         for n in (1, 7, 11):  # max-new-tokens inside a round of 5 drafts

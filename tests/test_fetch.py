@@ -6,6 +6,7 @@ import hashlib
 import os
 import re
 import subprocess
+import time
 import zipfile
 from pathlib import Path
 
@@ -255,6 +256,21 @@ def test_sidecar_is_keyed_by_mtime(tmp_path: Path) -> None:
     f.write_bytes(b"bbbb")  # same size
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    assert file_sha256(f) == hashlib.sha256(b"bbbb").hexdigest()
+
+
+def test_sidecar_sees_an_in_place_edit_that_keeps_size_and_mtime(tmp_path: Path) -> None:
+    """Issue 31: weights edited in place with size and mtime kept passed the fingerprint check through the stale
+    sidecar. The ctime (which no user call can set back) and the inode are part of its key now."""
+    f = tmp_path / "blob.bin"
+    f.write_bytes(b"aaaa")
+    assert file_sha256(f) == hashlib.sha256(b"aaaa").hexdigest()
+    before = f.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity, so the edit's ctime is a new one
+    with f.open("r+b") as fh:  # in place: same inode, same size
+        fh.write(b"bbbb")
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the mtime set back
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert file_sha256(f) == hashlib.sha256(b"bbbb").hexdigest()
 
 

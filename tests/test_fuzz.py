@@ -19,6 +19,7 @@ import contextlib
 import copy
 import io
 import json
+import re
 import resource
 import tempfile
 from pathlib import Path
@@ -188,6 +189,78 @@ def test_fuzz_search(stubbed, data):
     base = ["search", "--model", target, "--dtype", "float32", "--device", "cpu", "--space", "smoke",
             "--trials", "1", "--prompts", "2", "--max-new-tokens", "2", "--no-progress", "--out", str(root / "o")]  # fmt: skip
     run_cli(data.draw(_command(base, optional)))
+
+
+# ------------------------------------------------------------------ mode / flag combinations
+
+# Where each routing flag has an effect, written out here from the docs (config.DecodeConfig's docstring, the
+# flags' help), independently of the table the code derives from DecodeConfig's field metadata: ``modes`` and,
+# where it matters, the drafters that read it.
+ANY = ("model", "self", "lookup", "lookup+model", "lookup+self")
+MODEL_BASED = ("model", "self", "lookup+model", "lookup+self")
+WHERE = {
+    "--gamma": (("sd", "viasd"), ANY),
+    "--drafter": (("sd", "viasd"), ANY),
+    "--skip": (("viasd",), ANY),
+    "--draft-skip": (("sd", "viasd"), MODEL_BASED),
+    "--tau": (("viasd",), ANY),
+    "--kl": (("viasd",), ANY),
+    "--recheck": (("viasd",), ANY),
+    "--draft-confidence": (("sd", "viasd"), MODEL_BASED),
+    "--lookup-min": (("sd", "viasd"), ("lookup+model", "lookup+self")),
+    "--draft": (("sd", "viasd"), ("model", "lookup+model")),
+}
+FLAG_VALUES = {  # valid values, so a refusal can only be about where a flag applies
+    "--gamma": ["--gamma", "3"],
+    "--skip": ["--skip-attn", "1", "--skip-mlp", "2"],
+    "--draft-skip": ["--draft-skip-attn", "1", "--draft-skip-mlp", "2"],
+    "--tau": ["--tau-accept", "0.1", "--tau-escalate", "0.5"],
+    "--kl": ["--kl", "js"],
+    "--recheck": ["--recheck"],
+    "--draft-confidence": ["--draft-confidence", "0.3"],
+    "--lookup-min": ["--lookup-min", "2"],
+}
+
+
+@settings(FUZZ, max_examples=150)
+@given(data=st.data())
+def test_fuzz_mode_and_flag_combinations(stubbed, data):
+    """Generated modes, drafters and routing flags (each with a valid value): a combination with a flag that does
+    nothing there is refused in one line that says so; any other runs, or is refused for what it lacks (a
+    self-draft without a skip set, a model drafter without --draft)."""
+    target, draft = stubbed
+    mode = data.draw(st.sampled_from([None, "ar", "sd", "viasd"]))
+    drafter = data.draw(st.sampled_from([None, *ANY]))
+    flags = data.draw(st.lists(st.sampled_from([*FLAG_VALUES, "--draft"]), unique=True, max_size=5))
+    argv = ["generate", "--model", target, "--dtype", "float32", "--device", "cpu", "--prompt", "abab",
+            "--max-new-tokens", "2"]  # fmt: skip
+    argv += ["--mode", mode] if mode else []
+    argv += ["--drafter", drafter] if drafter else []
+    for flag in flags:
+        argv += ["--draft", draft] if flag == "--draft" else FLAG_VALUES[flag]
+    # What the CLI runs when --mode/--drafter are left out (its documented defaults).
+    run_mode = mode or "viasd"
+    run_drafter = drafter or ("model" if "--draft" in flags else "self" if "--draft-skip" in flags else "lookup")
+    given_flags = [*flags, *(["--drafter"] if drafter else [])]
+    idle = [
+        f
+        for f in given_flags
+        if run_mode not in WHERE[f][0] or (run_mode != "ar" and run_drafter not in WHERE[f][1])
+    ]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    text = err.getvalue()
+    OUTCOMES["generate-combination", rc] += 1
+    assert "Traceback" not in text, (argv, text)
+    if idle:
+        assert rc == 2 and text.count("\n") == 1 and re.search(r"\b(does|do) nothing in mode", text), (argv, idle, text)
+    else:
+        needs = ("needs a draft model", "the self-draft needs a skip set")
+        assert rc == 0 or (rc == 2 and any(n in text for n in needs)), (argv, text)
 
 
 @pytest.fixture(scope="module")

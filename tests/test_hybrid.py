@@ -259,8 +259,9 @@ def test_draft_model_cache_catches_up_after_lookup_rounds(models, monkeypatch):
     monkeypatch.setattr(drafters_mod.ModelDrafter, "draft", draft_and_check)
     rounds_lookup = 0
     for ids in prompts(6, seed=5):
-        for mode, extra in (("sd", {}), ("viasd", {"recheck": True, "tau_escalate": 3.0})):
-            cfg = DecodeConfig(mode=mode, gamma=3, drafter="lookup+model", skip=SkipSet.of([1], [2]), **extra)
+        viasd = {"recheck": True, "tau_escalate": 3.0, "skip": SkipSet.of([1], [2])}
+        for mode, extra in (("sd", {}), ("viasd", viasd)):
+            cfg = DecodeConfig(mode=mode, gamma=3, drafter="lookup+model", **extra)
             result = run(target, cfg, ids, draft=draft)
             assert result.token_ids == greedy_ar(target, ids)
             rounds_lookup += result.stats.rounds_lookup
@@ -364,8 +365,8 @@ def test_replay_prices_hybrid_rounds_as_decoding_runs_them(models):
         for lookup_min, tau_escalate in ((1, 0.0), (3, 0.0), (2, NEVER)):
             dskip = DRAFT_SKIP if drafter.endswith("self") else SkipSet()  # the search skips no draft-model layer
             cfg = DecodeConfig(
-                mode="viasd", gamma=4, drafter=drafter, draft_skip=dskip, lookup_min=lookup_min,
-                tau_escalate=tau_escalate,
+                mode="viasd", gamma=4, drafter=drafter, draft_skip=dskip,
+                lookup_min=lookup_min if drafter in HYBRIDS else 1, tau_escalate=tau_escalate,
             )  # fmt: skip
             est = replay.simulate(cache, cfg)
             real = [run(target, cfg, ids, draft=draft).stats for ids in ids_all]
@@ -435,8 +436,9 @@ def test_search_space_hybrids_and_lookup_min(tmp_path):
     cfg = search_params.suggest(optuna.trial.FixedTrial(params), space, 8, ["self", "lookup", "lookup+self"])
     assert cfg.drafter == "lookup+self" and cfg.lookup_min == 2 and not cfg.draft_skip.is_empty
     with pytest.raises(UserError, match="none of .* is available"):
-        search_params.suggest(optuna.trial.FixedTrial(params), spaces.load_space(_space(tmp_path, drafter=["lookup+model"])),
-                       8, ["self", "lookup", "lookup+self"])  # fmt: skip
+        model_only = _space(tmp_path, drafter=["lookup+model"], self_draft=None)  # self_draft: nothing runs it
+        search_params.suggest(optuna.trial.FixedTrial(params), spaces.load_space(model_only),
+                              8, ["self", "lookup", "lookup+self"])  # fmt: skip
     # Without the key lookup_min is 1 and not a parameter; the signature of such a space is what it was.
     plain = spaces.load_space(_space(tmp_path, drafter=HYBRIDS))
     assert plain.lookup_min is None

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model
+from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model, valid_config
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -142,12 +142,13 @@ def lossless_configs(draw) -> DecodeConfig:
     lookup_min = draw(lookup_mins)
     kind = draw(st.sampled_from(["sd", "viasd-escalate0", "viasd-empty-skip", "viasd-recheck"]))
     if kind == "sd":
-        return DecodeConfig(
+        return valid_config(
             mode="sd", gamma=gamma, drafter=drafter, draft_skip=draft_skip, lookup_min=lookup_min
         )
-    if kind == "viasd-recheck":  # any skip set and thresholds: the target re-checks whatever the others settle
+    # viasd-recheck: any skip set and thresholds, the target re-checks whatever the others settle
+    if kind == "viasd-recheck":
         tau_accept, tau_escalate = draw(thresholds())
-        return DecodeConfig(
+        return valid_config(
             mode="viasd",
             gamma=gamma,
             drafter=drafter,
@@ -166,7 +167,7 @@ def lossless_configs(draw) -> DecodeConfig:
     else:  # the slim verifier is the target itself; nothing is accepted without it (τ_accept = 0)
         tau = (0.0, draw(st.one_of(st.floats(0.0, 6.0, allow_nan=False), st.just(INF))))
         skip = SkipSet()
-    return DecodeConfig(
+    return valid_config(
         mode="viasd",
         gamma=gamma,
         drafter=drafter,
@@ -203,7 +204,7 @@ def test_lossless_configs_equal_greedy_ar(arch, prompt, config, n, eos):
 def any_configs(draw) -> DecodeConfig:
     mode = draw(st.sampled_from(["ar", "sd", "viasd", "viasd"]))
     tau_accept, tau_escalate = draw(thresholds())
-    return DecodeConfig(
+    return valid_config(
         mode=mode,
         gamma=draw(gammas),
         drafter=draw(drafters),
@@ -230,7 +231,9 @@ def any_configs(draw) -> DecodeConfig:
     seed=st.integers(0, 2**31 - 1),
 )
 def test_stats_add_up(arch, prompt, config, n, eos, temperature, top_p, seed):
-    result = decode(arch, config, prompt, n, eos, temperature=temperature, top_p=top_p, seed=seed)
+    # greedy reads neither (and refuses them)
+    sampling = {"top_p": top_p, "seed": seed} if temperature else {}
+    result = decode(arch, config, prompt, n, eos, temperature=temperature, **sampling)
     s, ids, tiers = result.stats, result.token_ids, result.tiers
     assert len(ids) == len(tiers) == s.new_tokens
     assert 1 <= s.new_tokens <= n
@@ -307,7 +310,7 @@ def test_infinite_thresholds_accept_every_draft(
     proposes its greedy continuation, γ tokens unless fewer reach max_new_tokens with the verifier's token;
     lookup, a copy (as many tokens as γ and the copy allow); a hybrid, a lookup copy of at least min(lookup_min,
     γ) tokens when it finds one, else its model's continuation."""
-    config = DecodeConfig(
+    config = valid_config(
         mode="viasd",
         gamma=gamma,
         drafter=drafter,

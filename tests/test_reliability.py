@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -35,15 +36,23 @@ REPO = Path(__file__).resolve().parents[1]
 PASSWORD = "s3cret-pw"  # in the PostgreSQL URL (the test server trusts loopback, so it is never checked)
 
 # `viasd-tune ARGS`, each trial held at its start (before its replay estimate is recorded) for TEST_TRIAL_DELAY
-# seconds, and for as long as the file TEST_HOLD_FILE exists (marked by TEST_HOLD_FILE.held), so a test can signal a
-# worker while it is surely mid-trial: a fixed delay alone raced (a loaded host let the trial move on between the
-# test's look and its kill).
+# seconds, and for as long as the file TEST_HOLD_FILE exists (marked by TEST_HOLD_FILE.held, which holds the held
+# trial's number), so a test can signal a worker while it is surely mid-trial: a fixed delay alone raced (a loaded
+# host let the trial move on between the test's look and its kill). The test takes the trial's number from the
+# marker: a trial's "worker" attr names whoever wrote it last, which says nothing when two processes run one trial
+# (what SQLite allowed, see test_workers_never_start_the_same_queued_trial).
 SLOW_CLI = """
 import os, signal, sys, time
 # Ctrl-C raises KeyboardInterrupt even where the test runner was started in the background (a shell without job
 # control starts it with SIGINT ignored, and the child would inherit that and finish instead of stopping).
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from viasd_tune.search import replay
+from viasd_tune.search import params, replay
+current = {}
+_suggest = params.suggest
+def suggest(trial, *args, **kwargs):
+    current["trial"] = trial.number
+    return _suggest(trial, *args, **kwargs)
+params.suggest = suggest
 _simulate = replay.simulate
 _calls = []
 def simulate(*args, **kwargs):
@@ -53,7 +62,10 @@ def simulate(*args, **kwargs):
     end, hold = time.time() + float(os.environ["TEST_TRIAL_DELAY"]), os.environ.get("TEST_HOLD_FILE")
     while True:
         if hold and os.path.exists(hold):
-            open(hold + ".held", "w").close()  # a trial here now stays here: the test may signal
+            if not os.path.exists(hold + ".held"):  # a trial here now stays here: the test may signal
+                with open(hold + ".held.tmp", "w") as f:
+                    f.write(str(current.get("trial", -1)))
+                os.replace(hold + ".held.tmp", hold + ".held")
         elif time.time() >= end:
             break
         time.sleep(0.05)
@@ -119,16 +131,16 @@ def _wait_trials(storage, name, proc, tmp, tag, ready, timeout=150.0) -> None:
 
 def _wait_held(storage, name, proc, tmp, tag, hold: Path) -> optuna.trial.FrozenTrial:
     """The trial ``proc`` runs once it is held at its start by the file ``hold`` (which must exist): it stays there
-    until the file goes, so a signal sent now surely lands mid-trial."""
+    until the file goes, so a signal sent now surely lands mid-trial. Its number is the one the marker holds."""
     marker = Path(f"{hold}.held")
     _wait_trials(storage, name, proc, tmp, tag, lambda _: marker.exists())
-    running = [  # read after the marker: the process is stuck in that trial now
-        t
-        for t in _trials(storage, name)
-        if t.state == TS.RUNNING and t.user_attrs.get("worker", "").endswith(f":{proc.pid}")
-    ]
-    assert len(running) == 1 and "config" in running[0].user_attrs and "estimate" not in running[0].user_attrs
-    return running[0]
+    (held,) = [t for t in _trials(storage, name) if t.number == int(marker.read_text())]
+    # Its own worker's, mid-trial. (RUNNING is not asserted: on a loaded host a starved worker's heartbeat can go
+    # stale within the tests' 5 s grace period, and another worker fail it, while the process still holds it.)
+    assert held.user_attrs["worker"].endswith(f":{proc.pid}") and "estimate" not in held.user_attrs
+    # FAIL here: failed as stale while held. Shown with -s (the real stderr: the test's capsys takes stdout).
+    print(f"held trial {held.number} was {held.state.name} when read", file=sys.__stderr__)
+    return held
 
 
 # ---------------------------------------------------------------------------------------------- PostgreSQL
@@ -368,3 +380,78 @@ def test_a_stalled_worker_whose_trial_was_taken_over_carries_on(tmp_path, caplog
     loop.optimize(study, objective, SearchSettings(model="unused", trials=2, progress=False))
     assert [t.state for t in study.trials] == [TS.FAIL, TS.COMPLETE, TS.COMPLETE]
     assert any("taken over" in r.getMessage() for r in caplog.records)
+
+
+def test_a_dead_workers_retry_starts_clean(tmp_path, monkeypatch):
+    """Found while tracing issue 31 item 8: the retry of a trial failed as stale carried that trial's user attrs
+    (Optuna's retry callback copies them): the dead worker's name, its config and any partial measurements, until
+    the retry's own worker overwrote them (and a retry screened out by the replay kept the dead trial's
+    measurements). The retry now holds the same params, retry history and enqueued params, nothing else."""
+    from viasd_tune.search.records import TrialRecord
+    from viasd_tune.search.storage import RetryStaleTrial
+
+    monkeypatch.setenv("VIASD_HEARTBEAT_INTERVAL", "1")
+    monkeypatch.setenv("VIASD_GRACE_PERIOD", "1")
+    storage = make_storage(f"sqlite:///{tmp_path / 'study.db'}")
+    study = optuna.create_study(storage=storage, directions=["maximize", "maximize"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trial = study.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    trial.set_user_attr("worker", "host:123")
+    trial.set_user_attr("agreement", 0.5)  # a partial measurement of the dead trial
+    trial.set_user_attr("enqueued", {"x": 0.5, "escalate_all": True})  # how it was queued: a reference point
+    storage.record_heartbeat(trial._trial_id)
+    time.sleep(3)  # past the 1 s grace period (SQLite's clock ticks in whole seconds)
+    with warnings.catch_warnings():  # experimental API; and heartbeats outside Study.optimize, as a test
+        warnings.simplefilter("ignore")
+        optuna.storages.fail_stale_trials(study)
+    dead, retry = study.trials
+    assert dead.state == TS.FAIL and retry.state == TS.WAITING
+    # what it was queued with stays (a reference point's retry is one too), what the dead run recorded goes
+    assert retry.user_attrs == {"enqueued": {"x": 0.5, "escalate_all": True}} and retry.params == dead.params
+    assert TrialRecord.read(retry).reference
+    assert retry.system_attrs["failed_trial"] == 0 and retry.system_attrs["retry_history"] == [0]
+    # a retry of the retry keeps the history; past max_retry none is queued
+    callback = RetryStaleTrial(max_retry=2)
+    callback(study, study.trials[1])
+    again = study.trials[2].system_attrs
+    assert again["retry_history"] == [0, 1] and again["failed_trial"] == 0
+    callback(study, study.trials[2])
+    assert len(study.trials) == 3
+
+
+POP_QUEUED = """
+import json, sys, time, warnings
+import optuna
+warnings.simplefilter("ignore")
+from viasd_tune.search.storage import make_storage
+study = optuna.load_study(study_name="q", storage=make_storage(sys.argv[1]))
+while time.time() < float(sys.argv[3]):  # all start popping at once
+    time.sleep(0.001)
+popped = []
+while (trial_id := study._pop_waiting_trial_id()) is not None:  # what Study.ask does to start a queued trial
+    popped.append(trial_id)
+json.dump(popped, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.slow
+def test_workers_never_start_the_same_queued_trial(tmp_path):
+    """Issue 31, item 8: on SQLite two workers could both start one queued (WAITING) trial: Optuna reads its state
+    FOR UPDATE, which SQLite ignores, and pysqlite began the transaction only at the write. 4 processes popping 60
+    queued trials started 8 to 12 of them twice; one of those, run by the killed worker and a survivor at once, was
+    the killed worker's trial that ended COMPLETE. make_storage begins SQLite transactions IMMEDIATE."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="q", storage=make_storage(url))
+    for x in range(60):
+        study.enqueue_trial({"x": float(x)})
+    start = str(time.time() + 10)  # after every process has imported and opened the storage
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    outs = [tmp_path / f"popped-{i}.json" for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", POP_QUEUED, url, str(o), start], env=env) for o in outs]
+    for p in procs:
+        assert p.wait(timeout=240) == 0
+    popped = [t for o in outs for t in json.loads(o.read_text())]
+    # each queued trial started exactly once
+    assert sorted(popped) == sorted(t._trial_id for t in study.trials)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import logits_over_committed, noisy_copy, tiny_model
 
-from viasd_tune.config import CHAIN_DRAFTERS, DecodeConfig
+from viasd_tune.config import CHAIN_DRAFTERS, HYBRIDS, DecodeConfig
 from viasd_tune.decoding.common import CachedLM
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.fidelity import greedy_agreement
@@ -85,6 +85,12 @@ SELF_SKIPS = [SkipSet.of([1, 2], [1, 2]), SkipSet.of([2], [1, 3])]
 MODEL_SKIPS = [SkipSet(), SkipSet.of([1], [1])]  # a skip set on the separate draft model
 
 
+def hybrid_only(drafter: str, lookup_min: int) -> int:
+    """``lookup_min`` where the drafter reads it (the hybrids), else its default: DecodeConfig refuses it
+    elsewhere. Drawn for every drafter, so each drafter's grid draws the same sequence."""
+    return lookup_min if drafter in HYBRIDS else 1
+
+
 def configs(drafter: str, seed: int, n: int) -> list[DecodeConfig]:
     """Plain SD and ``n`` VIA-SD settings drawn from the grid, with ``drafter``."""
     rng = random.Random(seed)
@@ -93,7 +99,7 @@ def configs(drafter: str, seed: int, n: int) -> list[DecodeConfig]:
     )
     out = [
         DecodeConfig(mode="sd", gamma=g, drafter=drafter, draft_skip=rng.choice(draft_skips),
-                     draft_confidence=c if drafter != "lookup" else 0.0, lookup_min=rng.choice([1, 3]))
+                     draft_confidence=c if drafter != "lookup" else 0.0, lookup_min=hybrid_only(drafter, rng.choice([1, 3])))
         for g, c in ((1, 0.0), (4, 0.5), (7, 0.0))
     ]  # fmt: skip
     grid = list(itertools.product(SKIPS, THRESHOLDS, [1, 3, 5], ["forward", "reverse", "js"], [False, True]))
@@ -111,7 +117,7 @@ def configs(drafter: str, seed: int, n: int) -> list[DecodeConfig]:
                 kl=kl,
                 recheck=recheck,
                 draft_confidence=rng.choice([0.0, 0.0, 0.3, 0.6]) if drafter != "lookup" else 0.0,
-                lookup_min=rng.choice([1, 2, 4]),
+                lookup_min=hybrid_only(drafter, rng.choice([1, 2, 4])),
             )
         )
     return out
@@ -145,26 +151,25 @@ TREE_DRAFTERS = ["lookup", "recycle", "lookup+recycle", "model", "lookup+model",
 
 
 def tree_configs(drafter: str, seed: int, n: int) -> list[DecodeConfig]:
-    """Token trees (issue 33) of random budgets (chains included) and source shapes."""
+    """Token trees (issue 33) of random budgets (chains included) and source shapes, each field set only where
+    it acts (a field that does nothing is refused)."""
     rng = random.Random(seed)
-    return [
-        DecodeConfig(
-            mode="sd",
-            gamma=rng.choice([2, 4, 6]),
-            drafter=drafter,
-            tree_nodes=rng.choice([1, 4, 12, 24]),
-            tree_lookup_depth=rng.randint(2, 6),
-            tree_lookup_width=rng.randint(1, 3),
-            tree_recycle_depth=rng.randint(1, 4),
-            tree_recycle_width=rng.randint(1, 3),
-            tree_model_depth=rng.randint(1, 4),
-            tree_model_width=rng.randint(1, 3),
-            draft_skip=rng.choice(MODEL_SKIPS) if drafter.endswith("model") else SkipSet(),
-            draft_confidence=rng.choice([0.0, 0.3]) if drafter.endswith("model") else 0.0,
-            lookup_min=rng.choice([1, 2]),
-        )
-        for _ in range(n)
-    ]
+    parts = drafter.split("+")
+    out = []
+    for _ in range(n):
+        nodes = rng.choice([1, 4, 12, 24])
+        fields: dict = {"mode": "sd", "gamma": rng.choice([2, 4, 6]), "drafter": drafter, "tree_nodes": nodes}
+        if nodes > 1 or "recycle" in parts:  # the sources' shapes act on trees only
+            for source, depth in (("lookup", (2, 6)), ("recycle", (1, 4)), ("model", (1, 4))):
+                if source in parts:
+                    fields[f"tree_{source}_depth"] = rng.randint(*depth)
+                    fields[f"tree_{source}_width"] = rng.randint(1, 3)
+        if "model" in parts:
+            fields.update(draft_skip=rng.choice(MODEL_SKIPS), draft_confidence=rng.choice([0.0, 0.3]))
+        if drafter in HYBRIDS or "recycle" in parts:
+            fields["lookup_min"] = rng.choice([1, 2])
+        out.append(DecodeConfig(**fields))
+    return out
 
 
 @pytest.mark.parametrize("drafter", TREE_DRAFTERS)

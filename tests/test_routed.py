@@ -211,6 +211,7 @@ def tiny(tiny_dirs):
     base["target"] = {"name": tiny_dirs[0], "fingerprint": target.fingerprint}
     base["draft"] = {"kind": "model", "name": tiny_dirs[1], "fingerprint": draft.fingerprint}
     base.update(dtype="float32", drafter="model", mode="sd", routing={"skip_attn": [], "skip_mlp": []})
+    base["thresholds"] = {"tau_accept": 0.0, "tau_escalate": 0.0, "kl": "forward"}  # plain SD routes nothing
     return target, draft, base
 
 

@@ -289,6 +289,8 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(server, client) 
         messages=_chat("x"),
         max_tokens=3,
         temperature=0,
+        top_p=0.5,  # ignored when greedy, as OpenAI does (the CLI and Python API refuse them there)
+        seed=5,
         user="u1",
         extra_body={"foo": 1},
     )

@@ -160,12 +160,22 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(model_dirs, tmp_path) ->
         (["--max-queue", "-1"], "--max-queue must be 0 or more"),
         (["--api-key", " "], "API key"),
         (["--profile", "p.json", "--gamma", "3"], "--gamma cannot be combined with --profile"),
+        # issue 31: the same flag table, finite floats and --strict-host rule as generate
+        (["--mode", "sd", "--recheck"], "recheck (--recheck) applies to mode viasd only"),
+        (["--mode", "sd", "--drafter", "lookup", "--lookup-min", "5"], "applies to drafter lookup+model"),
+        (["--mode", "ar", "--draft", "/no/such/draft"], "--draft does nothing in mode ar"),
+        (["--strict-host"], "--strict-host does nothing without --profile"),
+        (["--tau-accept", "nan"], "argument --tau-accept: 'nan' is not a finite number"),
     ],
 )
 def test_bad_serve_flags_fail_in_one_line_before_loading(capsys, extra, needle) -> None:
     from viasd_tune.cli import main
 
-    assert main(["serve", "--model", "/no/such/model", *extra]) == 2
+    try:
+        rc = main(["serve", "--model", "/no/such/model", *extra])
+    except SystemExit as e:  # refused while the flags are parsed
+        rc = e.code
+    assert rc == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
 

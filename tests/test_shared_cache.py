@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model
+from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model, valid_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
@@ -92,7 +92,7 @@ def checked_rounds():
 @st.composite
 def configs(draw) -> DecodeConfig:
     a, b = sorted(draw(st.lists(st.sampled_from([0.0, 0.05, 0.5, 2.0, INF]), min_size=2, max_size=2)))
-    return DecodeConfig(
+    return valid_config(
         mode=draw(st.sampled_from(["ar", "sd", "viasd", "viasd"])),
         gamma=draw(st.integers(1, 5)),
         drafter=draw(st.sampled_from(["model", "self", "lookup"])),

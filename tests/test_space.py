@@ -424,14 +424,13 @@ def test_enqueue_known_points_end_to_end(
             gamma=gamma,
             drafter=d,
             draft_skip=draft_skip(d),
-            kl=space.kl[0],
             draft_confidence=confidence(d),
         )
         for d in plain_drafters
     ]
     if assisted:  # the space's longest γ, cut at HF's default confidence 0.4
         assert configs[n_known - 1] == DecodeConfig(
-            mode="sd", gamma=max(space.gamma), drafter="model", kl=space.kl[0], draft_confidence=0.4
+            mode="sd", gamma=max(space.gamma), drafter="model", draft_confidence=0.4
         )
     escalate_all = [t.params.get("escalate_all", False) for t in study.trials[:n_known]]
     assert escalate_all == [False] + [True] * (n_known - 1)
@@ -579,7 +578,8 @@ def test_signature_ignores_optional_keys_at_their_defaults(tmp_path: Path) -> No
 def test_space_without_skipping_searches_plain_sd_only(tmp_path: Path) -> None:
     """skip.budget.max 0: no slim tier to route through, so no VIA-SD reference point and every sampled trial
     is plain SD (a slim verifier that skips nothing is the full target run twice)."""
-    space = load_space(write(tmp_path, with_skip(budget={"min": 0.0, "max": 0.0})))
+    no_slim = {**with_skip(budget={"min": 0.0, "max": 0.0}), "recheck": [False]}  # recheck needs a slim tier
+    space = load_space(write(tmp_path, no_slim))
     assert not space.slim_tier and doc_space(tmp_path).slim_tier
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     enqueue_known_points(study, space, 8, ALL)

@@ -11,7 +11,11 @@ import json
 import logging
 import os
 import sys
+import warnings
+from dataclasses import fields
+from pathlib import Path
 
+from .cliargs import finite_float
 from .config import (
     DRAFTERS,
     GAMMA_MAX,
@@ -20,10 +24,14 @@ from .config import (
     TREE_NODES_MAX,
     TREE_SOURCE_FIELDS,
     DecodeConfig,
+    check_applicable,
     check_generation,
+    field_scope,
 )
+from .credentials import ScrubFilter, scrub
 from .errors import UserError
 from .models import DEFAULT_MODEL
+from .prompts import check_text
 from .routing import SkipSet
 
 # Named model pairs (packaged checkpoints, see fetch.py): target, draft (None: self-draft / prompt lookup).
@@ -61,6 +69,11 @@ def _add_decoder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile", help="routing profile JSON from `viasd-tune search` (sets models and routing)"
     )
+    p.add_argument(
+        "--strict-host",
+        action="store_true",
+        help="with --profile: refuse to serve it on another matrix ISA or device than it was tuned on (default: warn)",
+    )
 
 
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -92,10 +105,10 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
         "--draft-skip-mlp", default=None, help="self-draft (or the draft model): MLP sub-layers to skip"
     )
     p.add_argument(
-        "--tau-accept", type=float, default=None, help="D below this: accept the draft token directly"
+        "--tau-accept", type=finite_float, default=None, help="D below this: accept the draft token directly"
     )
     p.add_argument(
-        "--tau-escalate", type=float, default=None, help="D at or above this: the full target verifies"
+        "--tau-escalate", type=finite_float, default=None, help="D at or above this: the full target verifies"
     )
     p.add_argument("--kl", choices=KL_KINDS, default=None, help="divergence (default forward)")
     p.add_argument(
@@ -106,7 +119,7 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft-confidence",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="FLOAT",
         help="stop drafting once the drafter's top-1 probability is below this, in [0, 1) (default 0: off)",
@@ -158,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=finite_float, default=0.0)
+    g.add_argument("--top-p", type=finite_float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument(
         "--category",
@@ -215,42 +228,47 @@ def _write_dashboard(study, out_dir, exported):
 
 def cmd_dashboard(args) -> int:
     from . import dashboard
-    from .fsutil import check_output_file
+    from .credentials import check_storage
+    from .fsutil import check_output_file, check_outputs_spare_inputs
+    from .search.storage import sqlite_file
 
+    if args.out_dir and (args.storage or args.study_name):
+        raise UserError(
+            "give --out-dir, or --storage and --study-name, not both: --out-dir reads its own study.db"
+        )
+    if not args.out_dir and not (args.storage and args.study_name):
+        raise UserError("give --out-dir, or --storage and --study-name")
+    out = args.out or (str(Path(args.out_dir) / "dashboard.html") if args.out_dir else "dashboard.html")
     if args.out:
         check_output_file(args.out)
     if args.out_dir:
-        path = dashboard.dashboard_from_out_dir(args.out_dir, args.out)
-    elif args.storage and args.study_name:
-        path = dashboard.dashboard_from_storage(args.storage, args.study_name, args.out or "dashboard.html")
+        read = [("--out-dir's study.db", Path(args.out_dir) / "study.db")]
+        read.append(("--out-dir's profile.json", Path(args.out_dir) / "profile.json"))
     else:
-        raise UserError("give --out-dir, or --storage and --study-name")
+        read = [("--storage", sqlite_file(check_storage(args.storage)))]
+    check_outputs_spare_inputs([("--out", out)], read)  # before the study is read
+    if args.out_dir:
+        path = dashboard.dashboard_from_out_dir(args.out_dir, args.out)
+    else:
+        path = dashboard.dashboard_from_storage(args.storage, args.study_name, out)
     print(path)
     return 0
 
 
-# The routing flags of ``generate``: a --profile pins all of them, so giving one with it is an error.
-ROUTING_FLAGS = {
-    "mode": "--mode",
-    "drafter": "--drafter",
-    "gamma": "--gamma",
-    "skip_attn": "--skip-attn",
-    "skip_mlp": "--skip-mlp",
-    "draft_skip_attn": "--draft-skip-attn",
-    "draft_skip_mlp": "--draft-skip-mlp",
-    "tau_accept": "--tau-accept",
-    "tau_escalate": "--tau-escalate",
-    "kl": "--kl",
-    "recheck": "--recheck",
-    "draft_confidence": "--draft-confidence",
-    "lookup_min": "--lookup-min",
-    "tree_nodes": "--tree-nodes",
-    **{name: "--" + name.replace("_", "-") for name in TREE_SOURCE_FIELDS},
-}
+def _given_flags(args) -> list[tuple[str, str]]:
+    """``(field, flag)`` for every routing flag given, in DecodeConfig's field order; the flags of each field come
+    from its metadata, so a field added to DecodeConfig is covered here without a second list."""
+    return [
+        (f.name, flag)
+        for f in fields(DecodeConfig)
+        for flag in field_scope(f)["flags"]
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None
+    ]
 
 
 def _decode_config(args) -> DecodeConfig:
-    """The flags as a :class:`DecodeConfig`, validated (before any model loads)."""
+    """The flags as a :class:`DecodeConfig`, validated (before any model loads): values first, then every flag
+    given where it does nothing (at its default value too), and a --draft no drafter reads."""
     drafter = args.drafter or (
         "model" if args.draft else "self" if (args.draft_skip_attn or args.draft_skip_mlp) else "lookup"
     )
@@ -259,7 +277,7 @@ def _decode_config(args) -> DecodeConfig:
         value = getattr(args, name)
         return default if value is None else value
 
-    return DecodeConfig(
+    config = DecodeConfig(
         mode=given("mode", "viasd"),
         gamma=given("gamma", 5),
         drafter=drafter,
@@ -276,11 +294,19 @@ def _decode_config(args) -> DecodeConfig:
         tree_nodes=given("tree_nodes", 1),
         **{name: given(name, getattr(DecodeConfig, name)) for name in TREE_SOURCE_FIELDS},
     )
+    check_applicable(config.mode, config.drafter, [name for name, _ in _given_flags(args)])
+    if args.draft and (config.mode == "ar" or config.model_drafter != "model"):
+        setting = "mode ar" if config.mode == "ar" else f"mode {config.mode} with drafter {config.drafter}"
+        raise UserError(
+            f"--draft does nothing in {setting}: a draft model drafts for drafter model/lookup+model in mode "
+            "sd/viasd only; drop it or pick such a drafter"
+        )
+    return config
 
 
 def _check_no_routing_flags(args) -> None:
     """A profile pins the routing; a routing flag next to it would be silently ignored, so it is refused."""
-    clash = [flag for name, flag in ROUTING_FLAGS.items() if getattr(args, name) is not None]
+    clash = [flag for _, flag in _given_flags(args)]
     if clash:
         raise UserError(
             f"{', '.join(clash)} cannot be combined with --profile, which sets the routing; drop "
@@ -288,13 +314,39 @@ def _check_no_routing_flags(args) -> None:
         )
 
 
+def _check_category(args) -> None:
+    """``--category`` is read by a routed profile's rule only; anywhere else it would do nothing."""
+    if args.category is None:
+        return
+    from .profile import load_profile
+
+    if not args.profile or "routes" not in load_profile(args.profile):
+        raise UserError(
+            "--category does nothing here: only a routed profile's rule reads it (export one with "
+            "--pick routed); drop it or pass such a --profile"
+        )
+
+
+def _check_decoder_args(args) -> None:
+    """Every check of the flags that build a decoder (``generate`` and ``serve``), before any model loads or
+    any port is taken: a profile pins the routing, and --strict-host checks a profile's host."""
+    if args.profile:
+        _check_no_routing_flags(args)
+    elif args.strict_host:
+        raise UserError(
+            "--strict-host does nothing without --profile: it checks the host a profile was tuned on; drop it"
+        )
+    else:
+        _decode_config(args)
+
+
 def _load_decoder(args):
     """The decoder the flags ask for: a tuned --profile (its routing pinned) or --model/--draft + routing flags."""
     from . import models, runtime
     from .decoding.decoder import Decoder
 
+    _check_decoder_args(args)
     if args.profile:
-        _check_no_routing_flags(args)
         return runtime.load(
             args.profile,
             model=args.model,
@@ -302,6 +354,7 @@ def _load_decoder(args):
             device=args.device,
             dtype=None if args.dtype == "auto" else args.dtype,
             strict=True,
+            strict_host=args.strict_host,
         )
     config = _decode_config(args)
     target = models.load(args.model or DEFAULT_MODEL, args.dtype, args.device, args.trust_remote_code)
@@ -316,6 +369,8 @@ def cmd_generate(args) -> int:
     from . import runtime
 
     check_generation(args.max_new_tokens, args.temperature, args.top_p, args.seed)  # before any model loads
+    check_text(args.prompt)
+    _check_category(args)
     decoder = _load_decoder(args)
     routed = {"category": args.category} if isinstance(decoder, runtime.RoutedDecoder) else {}
     result = decoder.generate(
@@ -356,8 +411,7 @@ def cmd_serve(args) -> int:
         raise UserError(
             "the API key (--api-key or $VIASD_TUNE_API_KEY) is empty; give one or leave both unset"
         )
-    if args.profile:
-        _check_no_routing_flags(args)
+    _check_decoder_args(args)
     name = args.model or (load_profile(args.profile)["target"]["name"] if args.profile else DEFAULT_MODEL)
     sock = listen(args.host, args.port)  # a taken port fails now, not after the model has loaded
     try:
@@ -387,11 +441,28 @@ def apply_preset(args: argparse.Namespace) -> None:
             args.draft = args.draft or draft
 
 
+def _show_warning(storages: list[str | None]):
+    """Warnings as one ``viasd-tune: warning:`` line each on stderr, with any storage secret hidden."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        print(f"viasd-tune: warning: {scrub(text, storages)}", file=file or sys.stderr)
+
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     apply_preset(args)
     logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING, format="%(message)s")
+    # Every line this command prints, logs or warns passes the one redaction (credentials.py).
+    storages = [getattr(args, "storage", None)]
+    hide = ScrubFilter(storages)
+    handlers = logging.getLogger().handlers + logging.getLogger("optuna").handlers
+    for handler in handlers:
+        handler.addFilter(hide)
+    shown, warnings.showwarning = warnings.showwarning, _show_warning(storages)
     if not args.debug:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers.utils import logging as hf_logging
@@ -403,11 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.debug:
             raise
-        print(f"viasd-tune: error: {e}", file=sys.stderr)
+        print(f"viasd-tune: error: {scrub(str(e), storages)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("viasd-tune: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
+        for handler in handlers:
+            handler.removeFilter(hide)
 
 
 if __name__ == "__main__":

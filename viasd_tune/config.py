@@ -9,15 +9,16 @@
 - from the flat JSON record a trial keeps in its user attr ``config`` (and ``generate --json`` prints):
   :meth:`DecodeConfig.from_dict` / :meth:`DecodeConfig.to_dict`.
 
-Every field is checked on construction (names, types, finite numbers in range), so a bad value is refused
-before any model loads; :meth:`DecodeConfig.validate` adds the checks that need the models' layer counts.
+Every field is checked on construction (names, types, finite numbers in range, and that it has an effect in the
+configuration's mode and drafter: the table :func:`applies` reads from each field's metadata), so a bad value is
+refused before any model loads; :meth:`DecodeConfig.validate` adds the checks that need the models' layer counts.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .errors import UserError
@@ -31,6 +32,7 @@ DRAFTERS = CHAIN_DRAFTERS + RECYCLE_DRAFTERS
 # The hybrids: prompt lookup first each round, the model drafter (a separate model or the self-draft) when it misses.
 HYBRIDS = {"lookup+model": "model", "lookup+self": "self"}
 KL_KINDS = ("forward", "reverse", "js")
+SPECULATIVE = ("sd", "viasd")  # the modes that draft
 GAMMA_MAX = 64  # drafted tokens per round; more only costs memory and time (a verify block is γ + 1 tokens)
 TREE_NODES_MAX = 64  # draft nodes per tree (a verify block of 65 tokens costs ~3.5 steps on AVX-512-bf16)
 # The tree fields, each a whole number from 1 to GAMMA_MAX; their flags are --tree-lookup-depth etc.
@@ -43,6 +45,9 @@ def model_drafter(drafter: str) -> str | None:
     ``draft_skip``), alone or behind lookup / recycling; ``None`` for lookup and recycling alone."""
     parts = drafter.split("+")
     return "model" if "model" in parts else "self" if "self" in parts else None
+
+
+_ROUTES = "the divergence and thresholds route tokens to the slim verifier"
 
 
 def _whole_up_to_gamma_max(config: DecodeConfig, name: str, not_whole: str, out_of_range: str) -> None:
@@ -58,6 +63,72 @@ def _whole_up_to_gamma_max(config: DecodeConfig, name: str, not_whole: str, out_
 
 def _names(choices: tuple[str, ...]) -> str:
     return ", ".join(choices)
+
+
+# ------------------------------------------------------------------------------------------- where a field applies
+# Each field of DecodeConfig says in its metadata where it has an effect: the modes and drafters it applies to,
+# its flags, and why. A field without metadata applies everywhere, so a new field is never refused by accident;
+# one that does nothing somewhere says so in its own ``field(metadata=scope(...))``. The CLI, profiles, search
+# spaces and the Python API all refuse a value that does nothing through :func:`check_applicable`.
+MODEL_DRAFTERS = tuple(d for d in DRAFTERS if model_drafter(d))  # the drafters that run a model
+LOOKUP_DRAFTERS = tuple(d for d in DRAFTERS if "lookup" in d.split("+"))  # a token tree's sources, by drafter
+TREE_MODEL_DRAFTERS = tuple(d for d in DRAFTERS if "model" in d.split("+"))
+
+
+def scope(
+    flags: tuple[str, ...],
+    modes: tuple[str, ...] = MODES,
+    drafters: tuple[str, ...] = DRAFTERS,
+    why: str = "",
+    idle: tuple[Any, ...] = (),
+) -> dict[str, Any]:
+    """Field metadata: where the field has an effect. ``idle``: values besides the default that mean "not set"
+    (they are never refused)."""
+    return {"flags": flags, "modes": modes, "drafters": drafters, "why": why, "idle": idle}
+
+
+def field_scope(f) -> dict[str, Any]:
+    """A field's scope, its defaults filled in (a field without metadata applies everywhere)."""
+    flag = "--" + f.name.replace("_", "-")
+    return {**scope((flag,)), **dict(f.metadata)}
+
+
+def applies(name: str, mode: str, drafter: str) -> bool:
+    """Whether the field ``name`` has an effect in ``mode`` with ``drafter`` (in mode ``ar`` no drafter runs)."""
+    sc = field_scope(next(f for f in fields(DecodeConfig) if f.name == name))
+    return mode in sc["modes"] and (mode == "ar" or drafter in sc["drafters"])
+
+
+def label(name: str) -> str:
+    """How a message names a field: its name and its flags, e.g. ``skip (--skip-attn/--skip-mlp)``."""
+    sc = field_scope(next(f for f in fields(DecodeConfig) if f.name == name))
+    return f"{name} ({'/'.join(sc['flags'])})"
+
+
+def where_applies(name: str, mode: str) -> str:
+    """Where the field applies, for a message about ``mode``: ``"applies to mode viasd only (why)"``, or its
+    drafters when ``mode`` is one of its modes."""
+    sc = field_scope(next(f for f in fields(DecodeConfig) if f.name == name))
+    where = (
+        f"mode {'/'.join(sc['modes'])}" if mode not in sc["modes"] else f"drafter {'/'.join(sc['drafters'])}"
+    )
+    return f"{label(name)} applies to {where} only ({sc['why']})"
+
+
+def check_applicable(mode: str, drafter: str, given: list[str]) -> None:
+    """Refuse, in one line, the fields in ``given`` that do nothing in ``mode`` with ``drafter``, saying where
+    each applies."""
+    bad = [
+        where_applies(f.name, mode)
+        for f in fields(DecodeConfig)
+        if f.name in given and not applies(f.name, mode, drafter)
+    ]
+    if bad:
+        setting = f"mode {mode}" if mode == "ar" else f"mode {mode} with drafter {drafter}"
+        raise UserError(
+            f"{'these do' if len(bad) > 1 else 'this does'} nothing in {setting}: {'; '.join(bad)}; "
+            f"drop {'them' if len(bad) > 1 else 'it'} or change the mode or drafter"
+        )
 
 
 @dataclass(frozen=True)
@@ -89,26 +160,102 @@ class DecodeConfig:
       source's top path, the first one at least ``lookup_min`` deep, as the hybrids do);
     - ``tree_{lookup,recycle,model}_{depth,width}``: 1..64, each source's depth and branching (its top-k); the
       recycling table keeps ``tree_recycle_width`` successors per token.
+
+    A value set where it has no effect (a skip set or ``recheck`` in mode ``sd``, ``draft_confidence`` with prompt
+    lookup, ...) is refused: each field's metadata says where it applies (:func:`applies`, :func:`scope`).
     """
 
-    mode: str = "viasd"
-    gamma: int = 5
-    drafter: str = "model"
-    skip: SkipSet = field(default_factory=SkipSet)
-    draft_skip: SkipSet = field(default_factory=SkipSet)
-    tau_accept: float = 0.0
-    tau_escalate: float = 0.0
-    kl: str = "forward"
-    recheck: bool = False
-    draft_confidence: float = 0.0
-    lookup_min: int = 1
-    tree_nodes: int = 1
-    tree_lookup_depth: int = 8
-    tree_lookup_width: int = 4
-    tree_recycle_depth: int = 4
-    tree_recycle_width: int = 4
-    tree_model_depth: int = 4
-    tree_model_width: int = 4
+    mode: str = field(default="viasd", metadata=scope(("--mode",)))
+    gamma: int = field(
+        default=5,
+        metadata=scope(("--gamma",), SPECULATIVE, why="the tokens drafted per round; ar drafts none"),
+    )
+    drafter: str = field(
+        default="model",
+        metadata=scope(("--drafter",), SPECULATIVE, why="ar drafts nothing", idle=("lookup",)),
+    )
+    skip: SkipSet = field(
+        default_factory=SkipSet,
+        metadata=scope(("--skip-attn", "--skip-mlp"), ("viasd",), why="the slim verifier's skip set"),
+    )
+    draft_skip: SkipSet = field(
+        default_factory=SkipSet,
+        metadata=scope(
+            ("--draft-skip-attn", "--draft-skip-mlp"),
+            SPECULATIVE,
+            MODEL_DRAFTERS,
+            why="the drafting model's skip set; prompt lookup runs no model",
+        ),
+    )
+    tau_accept: float = field(default=0.0, metadata=scope(("--tau-accept",), ("viasd",), why=_ROUTES))
+    tau_escalate: float = field(default=0.0, metadata=scope(("--tau-escalate",), ("viasd",), why=_ROUTES))
+    kl: str = field(default="forward", metadata=scope(("--kl",), ("viasd",), why=_ROUTES))
+    recheck: bool = field(
+        default=False,
+        metadata=scope(
+            ("--recheck",), ("viasd",), why="the full target re-checks what the slim verifier settled"
+        ),
+    )
+    draft_confidence: float = field(
+        default=0.0,
+        metadata=scope(
+            ("--draft-confidence",),
+            SPECULATIVE,
+            MODEL_DRAFTERS,
+            why="it stops a drafting model; prompt lookup has no confidence",
+        ),
+    )
+    lookup_min: int = field(
+        default=1,
+        metadata=scope(
+            ("--lookup-min",),
+            SPECULATIVE,
+            tuple(HYBRIDS) + RECYCLE_DRAFTERS,
+            why="the shortest lookup proposal a hybrid or recycling drafter uses",
+        ),
+    )
+    tree_nodes: int = field(
+        default=1,
+        metadata=scope(
+            ("--tree-nodes",), ("sd",), why="the full target verifies token trees in mode sd", idle=(0,)
+        ),
+    )
+    tree_lookup_depth: int = field(
+        default=8,
+        metadata=scope(
+            ("--tree-lookup-depth",), ("sd",), LOOKUP_DRAFTERS, why="the lookup source of a token tree"
+        ),
+    )
+    tree_lookup_width: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-lookup-width",), ("sd",), LOOKUP_DRAFTERS, why="the lookup source of a token tree"
+        ),
+    )
+    tree_recycle_depth: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-recycle-depth",), ("sd",), RECYCLE_DRAFTERS, why="the recycle source of a token tree"
+        ),
+    )
+    tree_recycle_width: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-recycle-width",), ("sd",), RECYCLE_DRAFTERS, why="the recycle source of a token tree"
+        ),
+    )
+    tree_model_depth: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-model-depth",), ("sd",), TREE_MODEL_DRAFTERS, why="the model source of a token tree"
+        ),
+    )
+    tree_model_width: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-model-width",), ("sd",), TREE_MODEL_DRAFTERS, why="the model source of a token tree"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES, "--mode")
@@ -163,6 +310,7 @@ class DecodeConfig:
             "prompt-lookup proposals let the model drafter draft instead, e.g. 2",
         )
         self._check_tree()
+        check_applicable(self.mode, self.drafter, self.set_fields())
 
     def _check_tree(self) -> None:
         """The tree fields, and the combinations the engine does not run (refused before any model loads)."""
@@ -181,7 +329,15 @@ class DecodeConfig:
                 f"{name} ({flag}) must be a whole number from 1 to {GAMMA_MAX} (got {getattr(self, name)!r})",
                 f"{name} ({flag}) must be from 1 to {GAMMA_MAX} (got {getattr(self, name)})",
             )
-        if self.mode == "ar" or not self.is_tree:
+        if self.mode == "ar":
+            return
+        shaped = [f for f in TREE_SOURCE_FIELDS if f in self.set_fields()]
+        if shaped and not self.is_tree:
+            raise UserError(
+                f"{', '.join(label(f) for f in shaped)} shape a token tree, and this is a chain; "
+                "set --tree-nodes above 1 (or a recycling drafter), or drop them"
+            )
+        if not self.is_tree:
             return
         if self.mode == "viasd":
             raise UserError(
@@ -199,6 +355,16 @@ class DecodeConfig:
     def is_tree(self) -> bool:
         """Whether rounds run over a token tree (``tree_nodes`` > 1, or a recycling drafter, even as a chain)."""
         return self.tree_nodes > 1 or self.drafter in RECYCLE_DRAFTERS
+
+    def set_fields(self) -> list[str]:
+        """The fields whose value is not their default (nor another value that means unset)."""
+        out = []
+        for f in fields(self):
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            value = getattr(self, f.name)
+            if value != default and value not in field_scope(f)["idle"]:
+                out.append(f.name)
+        return out
 
     @property
     def model_drafter(self) -> str | None:
@@ -315,17 +481,22 @@ class DecodeConfig:
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> DecodeConfig:
         """Inverse of :meth:`to_dict`; a missing key takes its default (a trial recorded before the key
-        existed, e.g. without ``mode``, was VIA-SD)."""
+        existed, e.g. without ``mode``, was VIA-SD). A record is this package's own output, not user input: a value
+        where it does nothing (older searches stored e.g. the first ``kl`` of the space on plain-SD trials) is
+        dropped, not refused."""
         kwargs = {
             f.name: record[f.name]
             for f in fields(cls)
             if f.name not in ("skip", "draft_skip") and f.name in record
         }
-        return cls(
-            **kwargs,
-            skip=SkipSet.of(record.get("skip_attn", ()), record.get("skip_mlp", ())),
-            draft_skip=SkipSet.of(record.get("draft_skip_attn", ()), record.get("draft_skip_mlp", ())),
-        )
+        kwargs["skip"] = SkipSet.of(record.get("skip_attn", ()), record.get("skip_mlp", ()))
+        kwargs["draft_skip"] = SkipSet.of(record.get("draft_skip_attn", ()), record.get("draft_skip_mlp", ()))
+        mode, drafter = kwargs.get("mode", "viasd"), kwargs.get("drafter", "model")
+        if isinstance(mode, str) and isinstance(drafter, str) and mode in MODES and drafter in DRAFTERS:
+            kwargs = {
+                k: v for k, v in kwargs.items() if k in ("mode", "drafter") or applies(k, mode, drafter)
+            }
+        return cls(**kwargs)
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...], flag: str) -> None:
@@ -365,3 +536,9 @@ def check_generation(max_new_tokens: Any, temperature: Any = 0.0, top_p: Any = 1
         raise UserError(f"seed (--seed) must be a whole number (got {seed!r})")
     if seed is not None and not 0 <= seed < 2**63:
         raise UserError(f"seed (--seed) must be from 0 to 2**63 - 1 (got {seed})")
+    if t == 0 and (p != 1 or seed is not None):  # greedy: the top token, nothing drawn
+        what = "top_p (--top-p)" if p != 1 else "seed (--seed)"
+        raise UserError(
+            f"{what} does nothing at temperature 0: greedy decoding takes the top token and draws nothing; "
+            "drop it or set --temperature above 0 to sample"
+        )

@@ -93,16 +93,30 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+def _stat_key(st: os.stat_result) -> dict[str, int]:
+    """What identifies a file's bytes without reading them. Size and mtime alone are not enough: an in-place
+    edit can keep the size and set the mtime back (``touch -d``, ``os.utime``); it cannot set the ctime, which
+    any write or metadata change moves, and a save through a new file changes the inode."""
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+        "device": st.st_dev,
+    }
+
+
 def _remember_hash(path: Path, digest: str) -> None:
-    """Record ``digest`` keyed by size+mtime; best effort, since the cache may sit in a read-only directory."""
-    st = path.stat()
-    record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    """Record ``digest`` keyed by :func:`_stat_key`; best effort, since the cache may sit in a read-only
+    directory."""
+    record = {**_stat_key(path.stat()), "sha256": digest}
     with contextlib.suppress(OSError):
         atomic_write_text(_sidecar(path), json.dumps(record) + "\n")
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """sha256 hex of a file, streamed; reuses the ``<file>.sha256`` sidecar while size and mtime are unchanged.
+    """sha256 hex of a file, streamed; reuses the ``<file>.sha256`` sidecar while the file's stat key (size,
+    mtime, ctime, inode) is unchanged; a sidecar from before the ctime was recorded is re-computed once.
 
     Checkpoints reach 1 GB, and every CLI call checks its model, so re-hashing each time would cost seconds.
     """
@@ -110,7 +124,8 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     st = path.stat()
     try:
         record = json.loads(_sidecar(path).read_text(encoding="utf-8"))
-        if record["size"] == st.st_size and record["mtime_ns"] == st.st_mtime_ns:
+        key = _stat_key(st)
+        if all(record[k] == v for k, v in key.items()):
             return str(record["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no sidecar, or a stale/corrupt one: hash the file

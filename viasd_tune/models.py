@@ -138,23 +138,35 @@ def _weights_sha256(path: Path) -> str:
     return hashlib.sha256("".join(file_sha256(p) for p in files).encode()).hexdigest()
 
 
+# Bump when the converted folders change form, so an older conversion is never read as this one.
+CONVERTED_VERSION = 2  # 2: stored in bf16 (or f16 where the GGUF's weights are f16), no longer fp32
+
+
 def _gguf_dir(gguf_path: str, sha256: str) -> Path:
-    """Dequantising a GGUF takes 17–90 s; convert it once to a safetensors folder and reuse that."""
+    """Dequantising a GGUF takes 17–90 s; convert it once to a safetensors folder and reuse that.
+
+    The folder holds bf16 (f16 when every weight of the GGUF is f16, which bf16 would round): a quantised GGUF
+    has far fewer bits than either, and fp32 doubled the cache (7.1 GB for the 1.5B Qwen) and the memory a load
+    maps. ``--dtype float32`` still loads it, upcast."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = cache_dir() / "converted" / sha256[:16]
+    out = cache_dir() / "converted" / f"v{CONVERTED_VERSION}" / sha256[:16]
     if (out / "config.json").exists():
         return out
     src = Path(gguf_path)
-    arch = _gguf_architecture(src)  # before the slow conversion, which fails late and less clearly
-    if arch not in GGUF_ARCHITECTURES:
+    info = _gguf_info(src)  # before the slow conversion, which fails late and less clearly
+    if info.architecture not in GGUF_ARCHITECTURES:
         raise UserError(
-            f"GGUF {src.name} holds a {arch!r} model; layer skipping supports {', '.join(GGUF_ARCHITECTURES)}"
+            f"GGUF {src.name} holds a {info.architecture!r} model; layer skipping supports "
+            f"{', '.join(GGUF_ARCHITECTURES)}"
         )
+    stored = torch.float16 if info.all_f16 else torch.bfloat16
+    # The file is mapped and the model built in the stored dtype, each tensor dequantised through fp32.
+    check_memory(f"converting {src.name}", info.elements * 2 + info.largest * 4, src.stat().st_size)
     log.warning("converting %s once to %s (later loads take seconds)", src.name, out)
     try:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=stored)
     except (ValueError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load GGUF {src.name}: {first}") from None
@@ -172,13 +184,108 @@ def _gguf_dir(gguf_path: str, sha256: str) -> Path:
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 
-def _gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
+@dataclass
+class GGUFInfo:
+    architecture: str
+    elements: int  # weights in all
+    largest: int  # weights in the largest tensor
+    all_f16: bool  # the weight tensors that are not fp32 (norms) are all f16
+
+
+def _gguf_info(path: Path) -> GGUFInfo:
+    from gguf import GGMLQuantizationType, GGUFReader
 
     try:
-        return str(GGUFReader(path).fields["general.architecture"].contents())
+        reader = GGUFReader(path)
+        arch = str(reader.fields["general.architecture"].contents())
+        sizes = [int(t.n_elements) for t in reader.tensors]
+        kinds = {t.tensor_type for t in reader.tensors} - {GGMLQuantizationType.F32}
     except (ValueError, KeyError, OSError, IndexError) as e:
         raise UserError(f"{path.name} is not a readable GGUF file ({e}); pass a valid .gguf file") from None
+    return GGUFInfo(arch, sum(sizes), max(sizes, default=0), kinds == {GGMLQuantizationType.F16})
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+_FLOATS = ("F64", "F32", "F16", "BF16")  # loaded in the asked dtype; other tensors keep theirs
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def weights_size(folder: Path, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the weight files, bytes of the weights once loaded in ``dtype``), from the safetensors headers
+    (no tensor is read); a pickled ``.bin`` counts as fp32."""
+    files, loaded = 0, 0
+    for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        files += f.stat().st_size
+        if f.suffix == ".bin":
+            loaded += f.stat().st_size // 4 * dtype.itemsize
+            continue
+        try:
+            with f.open("rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        except (OSError, ValueError, MemoryError):
+            continue  # unreadable: from_pretrained says why
+        for name, t in header.items() if isinstance(header, dict) else ():
+            if name == "__metadata__" or not isinstance(t, dict) or t.get("dtype") not in _SAFETENSORS_BYTES:
+                continue
+            n = 1
+            for d in t.get("shape", []):
+                n *= int(d)
+            loaded += n * (dtype.itemsize if t["dtype"] in _FLOATS else _SAFETENSORS_BYTES[t["dtype"]])
+    return files, loaded
+
+
+def available_memory() -> list[tuple[str, int, bool]]:
+    """The limits a load must fit: ``(what, bytes available, whether mapped files count)``. An address-space
+    limit (``ulimit -v``) counts every mapping, the weight files' included; physical memory (MemAvailable, a
+    cgroup's limit) counts what stays resident."""
+    import resource
+
+    out = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        out.append(
+            ("address space (ulimit -v)", max(soft - _proc_kb("/proc/self/status", "VmSize") * 1024, 0), True)
+        )
+    if available := _proc_kb("/proc/meminfo", "MemAvailable") * 1024:
+        out.append(("memory", available, False))
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            current = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            out.append(("memory under the cgroup limit", max(int(limit) - current, 0), False))
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _proc_kb(path: str, key: str) -> int:
+    """A ``Key:  123 kB`` line of a /proc file, in kB (0 where the OS does not say)."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def check_memory(what: str, resident: int, mapped: int) -> None:
+    """Refuse, in one line that names the need, work that cannot fit: ``resident`` bytes that stay in memory,
+    and ``mapped`` bytes of files mapped besides (they count against an address-space limit only). Without it
+    the load ends minutes later in an mmap failure or the OOM killer."""
+    for name, available, counts_mapped in available_memory():
+        need = resident + (mapped if counts_mapped else 0)
+        if need > available:
+            detail = f"{resident / 1e9:.1f} GB of weights" + (
+                f" + {mapped / 1e9:.1f} GB of files mapped" if counts_mapped else ""
+            )
+            raise UserError(
+                f"{what} needs about {need / 1e9:.1f} GB ({detail}) but only {available / 1e9:.1f} GB of {name} "
+                "is available; free memory or raise the limit, load a smaller --dtype (bfloat16), or pick a "
+                "smaller model"
+            )
 
 
 TOKENIZER_FILES = (
@@ -212,6 +319,9 @@ def load(
             f"model folder {where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
             "tokenizer files from where the model came from into it"
         )
+    if kind != "hub" and folder.is_dir():  # before anything maps the weights
+        files, loaded = weights_size(folder, dt)
+        check_memory(f"loading {spec} in {str(dt).removeprefix('torch.')}", loaded, files)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dt, trust_remote_code=trust_remote_code)

@@ -13,7 +13,6 @@ import importlib.metadata
 import json
 import math
 import os
-import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import jsonschema
 from jsonschema.exceptions import best_match
 
 from viasd_tune.config import DecodeConfig, model_drafter
+from viasd_tune.credentials import redact
 from viasd_tune.errors import UserError
 from viasd_tune.fsutil import atomic_write_text, check_output_file
 from viasd_tune.rule import validate_rule
@@ -48,6 +48,33 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _brief(value: Any) -> str:
+    """A value as a message names it: short values as they are, long ones by their kind and size."""
+    text = repr(value)
+    if len(text) <= 60:
+        return text
+    if isinstance(value, list):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object with {len(value)} keys"
+    return text[:57] + "..."
+
+
+_BOUNDS = ("maxItems", "minItems", "maxLength", "minLength", "maximum", "minimum", "exclusiveMaximum",
+           "exclusiveMinimum", "maxProperties", "minProperties")  # fmt: skip
+
+
+def schema_problem(error: jsonschema.ValidationError) -> str:
+    """A JSON Schema error as one short line that keeps its reason: jsonschema starts its messages with the
+    value's repr (``[...200 nodes...] is too long``), so cutting the message short cut the reason off."""
+    message = " ".join(error.message.split())
+    text = repr(error.instance)
+    message = message.replace(text, _brief(error.instance)) if text in message else _short(message)
+    if error.validator in _BOUNDS:
+        message += f" ({error.validator} {error.validator_value})"
+    return message
+
+
 def _where(origin: str) -> str:
     return f"{origin}: " if origin else ""
 
@@ -58,7 +85,9 @@ def _fail(origin: str, path: str, problem: str) -> UserError:
 
 MAX_PROFILE_BYTES = 1 << 20  # an exported profile is a few kB
 MAX_PROFILE_DEPTH = 32  # its deepest value is 4 levels down
-_TOO_DEEP = f"the profile nests deeper than {MAX_PROFILE_DEPTH} levels; a profile is a flat record, re-export it"
+_TOO_DEEP = (
+    f"the profile nests deeper than {MAX_PROFILE_DEPTH} levels; a profile is a flat record, re-export it"
+)
 
 
 def _too_deep(value: Any, limit: int) -> bool:
@@ -90,7 +119,7 @@ def validate_profile(profile: dict[str, Any], origin: str = "") -> dict[str, Any
         )
     error = best_match(_validator().iter_errors(profile))
     if error is not None:
-        raise _fail(origin, error.json_path, f"{_short(error.message)}; fix that field (see {_SCHEMA_FILE})")
+        raise _fail(origin, error.json_path, f"{schema_problem(error)}; fix that field (see {_SCHEMA_FILE})")
     _check_semantics(profile, origin)
     return profile
 
@@ -143,6 +172,11 @@ def _check_semantics(profile: dict[str, Any], origin: str) -> None:
                     path,
                     f"layer {layers[-1]} is out of range; the {role} has {num_layers} layers (0..{num_layers - 1})",
                 )
+
+    try:  # the values' own rules and where each applies, as for flags and the Python API
+        DecodeConfig.from_profile(profile)
+    except UserError as e:
+        raise UserError(f"{_where(origin)}invalid profile: {e}") from None
 
     if "routes" in profile:
         _check_routes(profile, origin)
@@ -258,23 +292,10 @@ def write_profile(path: str | os.PathLike[str], profile: dict[str, Any]) -> None
     atomic_write_text(path, json.dumps(profile, indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
-# A password runs from the ':' after the user name to the LAST '@': greedy on purpose, so an unescaped '@', '/'
-# or '#' inside a password is hidden too (sqlalchemy and urllib each split such URLs in a way that leaks part of
-# the secret). The price is over-redaction of exotic URLs that have a port and an '@' later on.
-_USERINFO_PASSWORD = re.compile(
-    r"^(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/?#@]*):(?P<password>.*)@(?P<tail>[^@]*)$"
-)
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
-
-
 def redact_url(url: str) -> str:
-    """Storage URL with its password replaced by ``***``, safe to print or store in a profile.
-
-    ``postgresql://user:secret@host/db`` -> ``postgresql://user:***@host/db``; URLs without a password (sqlite
-    paths, plain file names) come back unchanged.
-    """
-    redacted = _USERINFO_PASSWORD.sub(r"\g<head>:***@\g<tail>", url)
-    return _QUERY_PASSWORD.sub(r"\1***", redacted)
+    """Storage URL with its credentials replaced by ``***``, safe to print or store in a profile (see
+    :func:`viasd_tune.credentials.redact`, the one redaction every command uses)."""
+    return redact(url)
 
 
 def package_versions() -> dict[str, str]:

@@ -53,6 +53,7 @@ def load_prompts(
     `field` overrides text-column detection; `categories` keeps only those raw categories or task groups
     (see :func:`task_group`).
     """
+    check_source(source, field)
     if source == "builtin":
         prompts = _load_builtin()
     elif source == "humaneval":
@@ -64,6 +65,24 @@ def load_prompts(
     if not prompts:
         raise UserError(f"no prompts left from {source!r}; check the data file and the category filter")
     return prompts
+
+
+DATASETS = ("builtin", "humaneval")  # named prompt sets; anything else is a file path
+
+
+def data_file(source: str) -> Path | None:
+    """The file ``--data`` names, or ``None`` for a named prompt set."""
+    return None if source in DATASETS else Path(source)
+
+
+def check_source(source: str, field: str | None) -> None:
+    """``--data-field`` picks a column of a data file; a named prompt set has its own, so there it would do
+    nothing and is refused."""
+    if field is not None and source in DATASETS:
+        raise UserError(
+            f"--data-field {field!r} does nothing with --data {source}: it names a column of a data file, and "
+            f"{source} has its own prompt field; drop --data-field or pass a .jsonl/.json/.csv/.parquet file"
+        )
 
 
 def _load_builtin() -> list[Prompt]:
@@ -297,8 +316,23 @@ def split_calibration(prompts: list[Prompt], held_out: float, seed: int) -> tupl
     return calibration, [p for p in prompts if id(p) not in chosen]
 
 
+def check_text(text: str) -> None:
+    """Text a tokenizer can take, checked the same with a chat template or without: not empty (a template would
+    wrap an empty turn into tokens and decode it), and valid UTF-8 (undecodable bytes on a command line arrive as
+    lone surrogates, and tokenizers refuse those with a TypeError)."""
+    if not text:
+        raise UserError("the prompt is empty; give at least one token of text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"the prompt is not valid UTF-8 text (an undecodable byte at character {e.start}); pass UTF-8 text"
+        ) from None
+
+
 def encode_prompt(tokenizer: Any, text: str, chat: str = "auto") -> list[int]:
     """Token ids for one user turn, through the chat template when the model has one (as it is served)."""
+    check_text(text)
     if chat not in CHAT_MODES:
         raise UserError(f"chat mode must be one of {', '.join(CHAT_MODES)}, got {chat!r}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -342,7 +376,10 @@ def encode_all(
 
     out = []
     for p in items:
-        ids = encode_prompt(tokenizer, p.text, chat)
+        try:
+            ids = encode_prompt(tokenizer, p.text, chat)
+        except UserError as e:
+            raise UserError(f"prompt {p.id}: {e}") from None
         check_fits(len(ids), max_new_tokens, context_length, p.id)
         out.append(torch.tensor(ids, dtype=torch.long, device=device))
     return out

@@ -43,6 +43,10 @@ def prompt_features(ids: Sequence[int] | np.ndarray | Any, category: str | None 
     if n > 0:
         grams = np.lib.stride_tricks.sliding_window_view(a, COPY_NGRAM)
         share = 1.0 - np.unique(grams, axis=0).shape[0] / n
+    if category is not None and not isinstance(category, str):
+        raise UserError(
+            f"category must be text such as 'qa' (got {type(category).__name__} {category!r}), or None"
+        )
     group = None if category is None else task_group(category)
     return {"prompt_tokens": int(a.size), "copy_share": float(share), "category": group}
 
@@ -94,6 +98,13 @@ def validate_rule(rule: Any, n_configs: int) -> dict[str, Any]:
                 isinstance(cats, list) and cats and all(isinstance(c, str) for c in cats)
             ):
                 raise _bad(f'nodes[{i}] splits on category: it needs "in" (a list of names), "left", "right"')
+            # The rule reads the task group (prompt_features), so a raw MT-bench name could never match.
+            raw = next((c for c in cats if task_group(c) != c), None)
+            if raw is not None:
+                raise _bad(
+                    f"nodes[{i}].in lists {raw!r}, a raw MT-bench category; a rule reads task groups, where "
+                    f"{raw!r} is {task_group(raw)!r}: list that instead"
+                )
         else:
             t = node.get("threshold")
             if set(node) != {"feature", "threshold", "left", "right"} or (

@@ -39,6 +39,36 @@ def check_fingerprint(role: str, expected: dict, actual: dict, strict: bool) -> 
     warnings.warn(msg, stacklevel=3)
 
 
+class HostMismatchWarning(UserWarning):
+    """The profile is served on another matrix ISA or device than it was tuned on: its tuned speed may not hold."""
+
+
+def check_host(prof: dict, device: str, strict_host: bool) -> None:
+    """Warn in one line (refuse with ``strict_host``) when this host's matrix ISA or device is not the one the
+    profile was tuned on: a bf16 verify block costs about one step with AMX and 3.3 without native bf16, so the
+    search's choice may not be the fastest here (shared/NOTES.md). A profile that does not record its ISA is
+    only checked for its device."""
+    from .host import matrix_isa
+
+    tuned_isa = prof.get("provenance", {}).get("matrix_isa") or "unknown"
+    here_isa = matrix_isa(device)
+    here_device = models.torch.device(device).type
+    diff = []
+    if prof["device"] != here_device:
+        diff.append(f"device {prof['device']}, served on {here_device}")
+    if tuned_isa != "unknown" and tuned_isa != here_isa:
+        diff.append(f"matrix ISA {tuned_isa}, this host has {here_isa}")
+    if not diff:
+        return
+    msg = (
+        f"the profile was tuned on {' and '.join(diff)}: its tuned speed is not expected to hold here; "
+        "re-run the search on this host"
+    )
+    if strict_host:
+        raise UserError(msg + " (or serve it without strict_host / --strict-host)")
+    warnings.warn(msg, HostMismatchWarning, stacklevel=3)
+
+
 class RoutedStream:
     """A configuration's :class:`TextStream` whose :class:`StreamEnd` names the configuration."""
 
@@ -99,11 +129,19 @@ class RoutedDecoder:
 
 
 def load(
-    profile, model=None, draft=None, device: str | None = None, dtype: str | None = None, strict: bool = True
+    profile,
+    model=None,
+    draft=None,
+    device: str | None = None,
+    dtype: str | None = None,
+    strict: bool = True,
+    strict_host: bool = False,
 ) -> Decoder | RoutedDecoder:
     """Rebuild the tuned decoder. ``profile``: path or dict. ``model``/``draft``: a name/path to load instead
     of the profile's, or an already loaded :class:`models.LoadedModel`. A routed profile (``routes``) gives a
-    :class:`RoutedDecoder` whose configurations share the models."""
+    :class:`RoutedDecoder` whose configurations share the models. ``strict``: refuse models whose fingerprint
+    differs from the profile's (else warn); ``strict_host``: refuse a host whose matrix ISA or device differs
+    from the one the profile was tuned on (else warn, :class:`HostMismatchWarning`)."""
     prof = load_profile(profile if isinstance(profile, dict) else os.fspath(profile))
     if "routes" in prof:
         singles = [configuration_profile(prof, k) for k in range(len(prof["routes"]["configurations"]))]
@@ -117,6 +155,9 @@ def load(
         config.validate(p["target"]["fingerprint"]["num_layers"], draft_layers)
     dtype = dtype or prof["dtype"]
     device = device or ("cuda" if prof["device"] == "cuda" and models.torch.cuda.is_available() else "cpu")
+    if isinstance(model, models.LoadedModel):
+        device = str(model.model.device)
+    check_host(prof, str(models.resolve_device(device)), strict_host)  # before any model loads
 
     def get(given, entry: dict, role: str) -> models.LoadedModel:
         lm = (

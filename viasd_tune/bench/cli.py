@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from .. import prompts
+from .. import cliargs, prompts
+from ..cliargs import finite_float
 from .methods import FIXED_METHODS, HF_ASSISTED_OPT_IN
 from .settings import BenchSettings
 
@@ -38,7 +39,7 @@ def add_bench_command(sub, add_model_args: Callable, default_model: str | None =
     )
     b.add_argument(
         "--draft-confidence",
-        type=float,
+        type=finite_float,
         default=0.0,
         metavar="C",
         help="our sd stops drafting after a pick below this probability, γ stays the cap (0: off; HF uses 0.4)",
@@ -63,14 +64,14 @@ def add_bench_command(sub, add_model_args: Callable, default_model: str | None =
     b.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     b.add_argument(
         "--wait-idle",
-        type=float,
+        type=finite_float,
         default=0.0,
         metavar="S",
         help="before each timed run wait up to S seconds for other processes to go idle (default 0: don't wait)",
     )
     b.add_argument(
         "--foreign-max",
-        type=float,
+        type=finite_float,
         default=0.05,
         metavar="CORES",
         help="a run during which other processes used more cores than this on average is disturbed (0.05)",
@@ -83,38 +84,8 @@ def add_bench_command(sub, add_model_args: Callable, default_model: str | None =
     b.set_defaults(func=cmd_bench, bench_default_model=default_model)
 
 
-def split_list(text: str | None) -> list[str] | None:
-    return [x.strip() for x in text.split(",") if x.strip()] if text else None
-
-
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
-    return BenchSettings(
-        out=args.out,
-        data=args.data,
-        model=args.model,
-        draft=args.draft,
-        profiles=list(args.profiles),
-        data_field=args.data_field,
-        categories=split_list(args.categories),
-        prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        gamma=args.gamma,
-        draft_confidence=args.draft_confidence,
-        tree_nodes=args.tree_nodes,
-        methods=split_list(args.methods),
-        chat=args.chat,
-        seed=args.seed,
-        dtype=args.dtype,
-        device=args.device,
-        trust_remote_code=args.trust_remote_code,
-        warmup_tokens=args.warmup_tokens,
-        progress=not args.no_progress,
-        threads=args.threads,
-        wait_idle=args.wait_idle,
-        foreign_max=args.foreign_max,
-        retries=args.retries,
-    )
+    return cliargs.settings_from_args(BenchSettings, args, profiles=list(args.profiles))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

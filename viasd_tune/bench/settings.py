@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import prompts
 from ..errors import UserError
+from ..fsutil import check_outputs_spare_inputs
 
 
 @dataclass
@@ -51,8 +53,8 @@ class BenchSettings:
             ("--foreign-max", self.foreign_max, 0),
             ("--retries", self.retries, 0),
         ):
-            if value < low:
-                raise UserError(f"{name} must be at least {low} (got {value})")
+            if not value >= low or not math.isfinite(value):  # NaN fails every comparison
+                raise UserError(f"{name} must be a finite number, at least {low} (got {value})")
         if self.prompts is not None and self.prompts < 1:
             raise UserError(f"--prompts must be at least 1 (got {self.prompts})")
         if self.gamma is not None and self.gamma < 1:
@@ -61,14 +63,32 @@ class BenchSettings:
             )
         from ..config import DecodeConfig  # torch: only once a bench really runs, never for --help
 
-        DecodeConfig(mode="sd", draft_confidence=self.draft_confidence)  # its one bound and message
-        if self.tree_nodes is not None:  # the same for the tree's node budget
+        # Our sd drafts with the draft model, else prompt lookup: its one bound, and whether it applies at all.
+        DecodeConfig(
+            mode="sd", drafter="model" if self.draft else "lookup", draft_confidence=self.draft_confidence
+        )
+        if self.draft_confidence and self.methods is not None and "sd" not in self.methods:
+            raise UserError(
+                f"--draft-confidence {self.draft_confidence:g} does nothing here: it applies to method sd only, "
+                "which --methods leaves out; drop it or add sd to --methods"
+            )
+        prompts.check_source(self.data, self.data_field)
+        reads_gamma = ("sd", "sd-tree", "hf-lookup", "hf-assisted", "hf-assisted-conf", "hf-assisted-heuristic")
+        if self.gamma is not None and self.methods is not None and not set(reads_gamma) & set(self.methods):
+            raise UserError(
+                f"--gamma {self.gamma} does nothing here: it applies to methods {', '.join(reads_gamma)}, which "
+                "--methods leaves out; drop it or add one of them"
+            )
+        if self.tree_nodes is not None:  # the tree's node budget: its one bound and message
             DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=self.tree_nodes)
         if self.chat not in prompts.CHAT_MODES:
             raise UserError(f"--chat must be one of {', '.join(prompts.CHAT_MODES)} (got {self.chat!r})")
         out = Path(self.out)
         if out.exists() and not out.is_dir():
             raise UserError(f"--out {out} is a file; give a folder for bench.json, bench.md and bench.html")
+        written = [(f"--out's {name}", out / name) for name in ("bench.json", "bench.md", "bench.html")]
+        read = [("--data", prompts.data_file(self.data)), *(("--profile", p) for p in self.profiles)]
+        check_outputs_spare_inputs(written, read)
 
 
 def command_line(s: BenchSettings) -> str:

@@ -8,34 +8,20 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from ..credentials import redact
 from ..errors import UserError
 from ..search.records import StudyRecord
+from ..search.storage import make_storage, sqlite_file
 from .page import build_dashboard
 
 
-def _redact(url: str) -> str:
-    from viasd_tune.profile import redact_url
-
-    return redact_url(url)
-
-
-def _sqlite_file(storage: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URL (``None`` for in-memory or other back ends)."""
-    if not storage.startswith("sqlite:///"):
-        return None
-    path = storage[len("sqlite:///") :].split("?", 1)[0]
-    return None if path in ("", ":memory:") else Path(path)
-
-
 def _open_storage(storage: str) -> optuna.storages.BaseStorage:
-    db = _sqlite_file(storage)
+    """The storage through search/storage.py, as search and export open it (one redaction, the driver choice,
+    one-line errors)."""
+    db = sqlite_file(storage)
     if db is not None and not db.is_file():  # SQLAlchemy would silently create an empty database there
         raise UserError(f"no Optuna database at {db}; check the path (a search writes <out>/study.db)")
-    try:
-        return optuna.storages.RDBStorage(storage)
-    except Exception as e:  # SQLAlchemy raises many types (bad URL, unreachable server, old schema)
-        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise UserError(f"cannot open Optuna storage {_redact(storage)}: {first}") from None
+    return make_storage(storage)
 
 
 def _study_names(storage: optuna.storages.BaseStorage) -> list[str]:
@@ -59,7 +45,7 @@ def _load(storage: optuna.storages.BaseStorage, study_name: str, where: str) -> 
 
 def dashboard_from_storage(storage: str, study_name: str, out: str | Path) -> Path:
     """Load ``study_name`` from an Optuna storage URL and write its dashboard to ``out``."""
-    study = _load(_open_storage(storage), study_name, _redact(storage))
+    study = _load(_open_storage(storage), study_name, redact(storage))
     return build_dashboard(study, out)
 
 

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..cliargs import finite_float
 from ..errors import UserError
 
 MAX_JOBS = 256  # worker processes on one machine
@@ -26,7 +27,7 @@ def add_search_commands(sub, add_model_args, dashboard=None) -> None:
     s.add_argument("--categories", help="comma-separated categories to keep")
     s.add_argument("--prompts", type=int, default=12, help="prompts to sample (stratified by category)")
     s.add_argument(
-        "--held-out", type=float, default=0.25, help="share of prompts kept out for the final report"
+        "--held-out", type=finite_float, default=0.25, help="share of prompts kept out for the final report"
     )
     s.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
     s.add_argument(
@@ -40,9 +41,9 @@ def add_search_commands(sub, add_model_args, dashboard=None) -> None:
     s.add_argument("--storage", help="Optuna storage URL (default sqlite in the out folder)")
     s.add_argument("--study-name", help="study name (default: the out folder's name)")
     s.add_argument("--space", default="default", help="search space: default, smoke, or a YAML file")
-    s.add_argument("--min-fidelity", type=float, default=0.95)
+    s.add_argument("--min-fidelity", type=finite_float, default=0.95)
     s.add_argument("--max-new-tokens", type=int, default=48)
-    s.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    s.add_argument("--timeout", type=finite_float, help="stop starting trials after this many seconds")
     s.add_argument("--n-jobs", type=int, default=1, help="worker processes on this machine sharing the study")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-progress", action="store_true")
@@ -63,38 +64,16 @@ def add_search_commands(sub, add_model_args, dashboard=None) -> None:
 
 
 def cmd_search(args, dashboard=None) -> int:
+    from ..cliargs import settings_from_args
     from ..models import DEFAULT_MODEL
     from .run import SearchSettings, run_search
 
     if not 1 <= args.n_jobs <= MAX_JOBS:
         bound = "at least 1" if args.n_jobs < 1 else f"at most {MAX_JOBS}"
-        raise UserError(
-            f"--n-jobs must be {bound} (got {args.n_jobs}); it is the worker processes to start"
-        )
+        raise UserError(f"--n-jobs must be {bound} (got {args.n_jobs}); it is the worker processes to start")
     name = args.study_name or (Path(args.out).name if args.out else "default")
-    settings = SearchSettings(
-        model=args.model or DEFAULT_MODEL,
-        draft=args.draft,
-        data=args.data,
-        data_field=args.data_field,
-        categories=args.categories.split(",") if args.categories else None,
-        prompts=args.prompts,
-        held_out=args.held_out,
-        chat=args.chat,
-        trials=args.trials,
-        out=args.out or f"artifacts/{name}",
-        storage=args.storage,
-        study_name=args.study_name,
-        space=args.space,
-        min_fidelity=args.min_fidelity,
-        max_new_tokens=args.max_new_tokens,
-        timeout=args.timeout,
-        seed=args.seed,
-        device=args.device,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress,
-        worker=args.worker,
+    settings = settings_from_args(
+        SearchSettings, args, model=args.model or DEFAULT_MODEL, out=args.out or f"artifacts/{name}"
     )
     if args.n_jobs > 1:
         from .workers import run_workers
@@ -115,7 +94,9 @@ def print_summary(summary: dict) -> None:
             print(f"  dashboard: {summary['dashboard']}")
         return
     if m.get("slower_than_ar"):
-        print(f"warning: trial {summary['trial']} runs at {m['speedup_measured']:.2f}x plain decoding on held-out prompts")
+        print(
+            f"warning: trial {summary['trial']} runs at {m['speedup_measured']:.2f}x plain decoding on held-out prompts"
+        )
     vs_sd = f"{m['speedup_vs_sd']:.2f}x" if m.get("speedup_vs_sd") else "n/a"
     print(
         f"profile: {summary['profile']}  (trial {summary['trial']}, {summary['pareto']} on the feasible Pareto front)\n"
@@ -131,13 +112,17 @@ def print_summary(summary: dict) -> None:
 
 
 def cmd_export(args) -> int:
-    from ..fsutil import check_output_file
+    from ..credentials import check_storage
+    from ..fsutil import check_output_file, check_outputs_spare_inputs
     from ..profile import write_profile
-    from .export import build_profile, pick_trial, routed_profile
+    from .export import build_profile, check_pick, pick_trial, routed_profile
     from .records import StudyRecord
-    from .storage import load_study
+    from .storage import load_study, sqlite_file
 
-    check_output_file(args.out)  # before the study is read
+    check_storage(args.storage)  # all before the study is read
+    check_output_file(args.out)
+    check_outputs_spare_inputs([("--out", args.out)], [("--storage", sqlite_file(args.storage))])
+    check_pick(args.pick)
     study = load_study(args.storage, args.study_name)
     if args.pick == "routed":
         profile = routed_profile(study)

@@ -65,14 +65,29 @@ def auto(pool: list[optuna.trial.FrozenTrial]) -> optuna.trial.FrozenTrial:
     )
 
 
+def check_pick(pick: str) -> int | None:
+    """Refuse an unknown ``--pick`` before any study is read; the trial number of ``trial:N``, else ``None``.
+    ``N`` is a trial number as the dashboard shows it (0, 1, ...), never a Python index from the end."""
+    if pick.startswith("trial:"):
+        number = pick.split(":", 1)[1]
+        if not (number.isascii() and number.isdigit()):
+            raise UserError(f"--pick {pick}: N in trial:N must be a trial number, 0 or more (e.g. trial:3)")
+        return int(number)
+    if pick not in PICKS:
+        raise UserError(f"unknown --pick {pick!r}; use auto, knee, fastest, most-faithful, routed or trial:N")
+    return None
+
+
 def pick_trial(study: optuna.Study, pick: str) -> optuna.trial.FrozenTrial:
     """``auto``, ``knee``, ``fastest``, ``most-faithful`` (among feasible measured trials) or ``trial:N``."""
-    if pick.startswith("trial:"):
-        try:
-            number = int(pick.split(":", 1)[1])
-            trial = study.trials[number]
-        except (ValueError, IndexError):
-            raise UserError(f"--pick {pick}: no such trial in study {study.study_name!r}") from None
+    number = check_pick(pick)
+    if number is not None:
+        trial = next((t for t in study.get_trials(deepcopy=False) if t.number == number), None)
+        if trial is None:
+            raise UserError(
+                f"--pick {pick}: no trial {number} in study {study.study_name!r} ({len(study.trials)} trials, "
+                "numbered from 0)"
+            )
         if trial.state != optuna.trial.TrialState.COMPLETE:
             raise UserError(
                 f"--pick {pick}: that trial is {trial.state.name}, not COMPLETE; pick a finished one"

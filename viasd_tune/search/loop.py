@@ -15,6 +15,7 @@ import optuna
 from tqdm.auto import tqdm
 
 from .. import host
+from ..credentials import scrub
 from ..errors import UserError
 from .records import TrialRecord
 from .screen import finite
@@ -32,7 +33,8 @@ POLL_S = 0.5  # how often a worker with nothing to start re-reads the study
 
 
 def _retried(trial: optuna.trial.FrozenTrial) -> bool:
-    """A retry that Optuna queued for a trial whose worker died (its heartbeat went stale)."""
+    """A retry queued for a trial whose worker died (its heartbeat went stale); storage.RetryStaleTrial marks it
+    as Optuna's callback does."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial) is not None
@@ -57,6 +59,7 @@ def _guarded(objective):
             raise
         except Exception as e:
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:500]
+            reason = scrub(reason, [getattr(trial.storage, "url", None)])  # stored in the study: no password
             TrialRecord(fail_reason=reason).write(trial)
             log.warning("trial %d failed: %s", trial.number, reason, exc_info=log.isEnabledFor(logging.INFO))
             raise
@@ -100,7 +103,7 @@ def optimize(study: optuna.Study, objective, s: SearchSettings) -> None:
 
     One trial per ``study.optimize`` call, so each start re-reads the study: a trial another worker is running
     counts as on its way (no overshoot); a trial whose worker died is failed once its heartbeat is stale and
-    re-queued (RetryHeartbeatStaleTrialCallback), and such a retry is run even past the count, the study owes
+    re-queued (storage.RetryStaleTrial), and such a retry is run even past the count, the study owes
     it; a worker with nothing left to start waits for the others' running trials, so none is left RUNNING and
     the exporting process sees every result. Failed trials do not count, so they are replaced.
     """

@@ -150,13 +150,12 @@ def _decode(
     plain = is_tree or (ask.reference_point and ask.choice(ESCALATE_ALL, (False, True), reference=True))
     if plain or not space.slim_tier:
         # Plain SD (what VIA-SD with tau_escalate 0 is, token for token), run and exported as mode sd: the
-        # engine's SD round, and a profile that says what it is. kl is unused (the first listed).
+        # engine's SD round, and a profile that says what it is (no kl, thresholds or skip set: SD has none).
         return DecodeConfig(
             mode="sd",
             gamma=gamma,
             drafter=drafter,
             draft_skip=draft_skip,
-            kl=space.kl[0],
             draft_confidence=confidence,
             lookup_min=lookup_min,
             **tree,

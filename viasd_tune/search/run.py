@@ -20,9 +20,10 @@ import optuna
 
 from .. import host, models, prompts
 from ..config import DecodeConfig
+from ..credentials import redact
 from ..decoding.fingerprint import engine_fingerprint
 from ..errors import UserError
-from ..profile import calibration_fingerprint, redact_url
+from ..profile import calibration_fingerprint
 from ..routing import install_skipping, num_layers
 from ..rule import prompt_features
 from . import costmodel, importance, params, replay
@@ -34,7 +35,7 @@ from .objective import Objective
 from .records import StudyRecord
 from .screen import replay_check
 from .settings import SearchSettings
-from .storage import open_study
+from .storage import make_storage, open_study, sqlite_file
 
 __all__ = ["SearchSettings", "run_search", "seed_skip_sets"]
 log = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ log = logging.getLogger(__name__)
 def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> dict:
     """Run (or resume) a search and export its pick (held out), with the study's dashboard beside the profile
     when given its writer (``viasd_tune.dashboard.write_beside_profile``); returns the export summary."""
+    # Everything that can refuse runs before the output folder or the study exists (a refused run leaves
+    # nothing behind, so its corrected re-run is not refused as "a different space").
     out = Path(s.out)
-    space = spaces.load_space(s.space)  # a bad space is refused before the folder exists
-    out.mkdir(parents=True, exist_ok=True)
+    space = spaces.load_space(s.space)
     storage = s.storage or f"sqlite:///{(out / 'study.db').resolve()}"
     study_name = s.study_name or out.name
 
@@ -54,7 +56,9 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
     # categories would take 8 of every 13 prompts and leave the other groups one or two each.
     items = prompts.sample_prompts(items, s.prompts, s.seed, key=prompts.prompt_task_group)
     calib, held = prompts.split_calibration(items, s.held_out, s.seed)
-    study = open_study(storage, study_name, s.seed, s.min_fidelity)  # before loading models: fail fast
+    db = sqlite_file(storage)
+    # A storage server is reached before the models load (fail fast); a new SQLite file waits for the checks.
+    opened = make_storage(storage) if db is None or db.is_file() else None
 
     target = models.load(s.model, s.dtype, s.device, s.trust_remote_code)
     draft = None
@@ -62,9 +66,9 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
         draft = models.load(s.draft, s.dtype, s.device, s.trust_remote_code)
         models.check_same_tokenizer(target, draft)
     n_layers = num_layers(target.model)
-    install_skipping(target.model)
     drafters = ["self", "lookup", "lookup+self", "recycle", "lookup+recycle"]
     drafters += ["model", "lookup+model", "lookup+recycle+model"] if draft else []
+    params.known_points(space, n_layers, drafters)  # the space fits this model and these drafters
 
     dev = target.model.device
     ctx = models.context_length(target.model)
@@ -74,6 +78,9 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
         return list(zip(items, ids, strict=True))
 
     calib_ids, held_ids = encoded(calib), encoded(held)
+    out.mkdir(parents=True, exist_ok=True)
+    study = open_study(opened or storage, study_name, s.seed, s.min_fidelity)
+    install_skipping(target.model)
     _record_study(study, study_name, s, space, n_layers, target, draft, calib_ids, held, storage)
     params.enqueue_known_points(study, space, n_layers, drafters)
 
@@ -170,7 +177,7 @@ def _record_study(
         },
         space_source=space.source,
         max_new_tokens=s.max_new_tokens,
-        storage=redact_url(storage),
+        storage=redact(storage),
     ).write(study)
 
 

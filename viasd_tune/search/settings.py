@@ -8,8 +8,12 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import prompts
+from ..credentials import check_storage
 from ..errors import UserError
-from ..profile import redact_url
+from ..fsutil import check_outputs_spare_inputs
+from .space import space_file
+from .storage import sqlite_file
 
 
 @dataclass
@@ -63,15 +67,27 @@ class SearchSettings:
         out = Path(self.out)
         if out.exists() and not out.is_dir():
             raise UserError(f"--out {out} is a file, not a folder; pass a folder for the search's outputs")
-        if self.storage is not None and (not isinstance(self.storage, str) or "://" not in self.storage):
-            raise UserError(
-                f"--storage {redact_url(str(self.storage))!r} is not a storage URL; use "
-                "sqlite:///path/to/study.db or postgresql://user@host/db"
-            )
+        if self.storage is not None:
+            check_storage(self.storage)
         if self.study_name is not None and (
             not isinstance(self.study_name, str) or not self.study_name.strip()
         ):
             raise UserError(f"--study-name must be a non-empty name (got {self.study_name!r})")
+        prompts.check_source(self.data, self.data_field)
+        self._check_outputs_spare_inputs()
+
+    def _check_outputs_spare_inputs(self) -> None:
+        """The files the search writes into ``out`` must not be its data, space or study database."""
+        out = Path(self.out)
+        written = [(f"--out's {name}", out / name) for name in ("profile.json", "dashboard.html")]
+        if self.storage is None:
+            written.append(("--out's study.db", out / "study.db"))
+        read = [
+            ("--data", prompts.data_file(self.data)),
+            ("--space", space_file(self.space)),
+            ("--storage", sqlite_file(self.storage) if self.storage else None),
+        ]
+        check_outputs_spare_inputs(written, read, folders=[("--out's pareto/", out / "pareto")])
 
 
 MAX_PROMPTS = 100_000

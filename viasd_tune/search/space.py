@@ -15,8 +15,18 @@ from typing import Any
 import jsonschema
 import yaml
 
-from ..config import DRAFTERS, GAMMA_MAX, KL_KINDS, TREE_NODES_MAX, TREE_SOURCES
+from ..config import (
+    DRAFTERS,
+    GAMMA_MAX,
+    KL_KINDS,
+    TREE_NODES_MAX,
+    TREE_SOURCES,
+    applies,
+    model_drafter,
+    where_applies,
+)
 from ..errors import UserError
+from ..profile import schema_problem
 
 SUBLAYERS = ("attn", "mlp")
 ENCODINGS = ("budget", "per_sublayer")
@@ -247,11 +257,16 @@ def shipped_space_file(name: str) -> Path:
     )
 
 
+def space_file(name_or_path: str) -> Path | None:
+    """The YAML file ``--space`` names, or ``None`` for a shipped space's name."""
+    path_like = any(c in name_or_path for c in "/\\") or name_or_path.endswith((".yaml", ".yml"))
+    return Path(name_or_path) if path_like else None
+
+
 def load_space(name_or_path: str) -> SearchSpace:
     """Load a shipped space ("default", "smoke") or a YAML file; validated here so that a bad edit
     fails at once, not hours into a study."""
-    path_like = any(c in name_or_path for c in "/\\") or name_or_path.endswith((".yaml", ".yml"))
-    if not path_like:
+    if space_file(name_or_path) is None:
         if name_or_path not in SHIPPED:
             raise UserError(
                 f"search space {name_or_path}: not a shipped space ({', '.join(SHIPPED)}) nor a .yaml path; "
@@ -371,7 +386,7 @@ def _parse(text: str, source: str) -> SearchSpace:
                 f"search space {source}: $.lookup_min: low {lookup_min[0]} > high {lookup_min[1]}; swap or fix them"
             )
     tree = _tree(data["tree"], source) if "tree" in data else None
-    return SearchSpace(
+    space = SearchSpace(
         version=data["version"],
         skip=SkipSpec(
             encoding=skip["encoding"],
@@ -397,6 +412,45 @@ def _parse(text: str, source: str) -> SearchSpace:
         lookup_min=lookup_min,
         tree=tree,
     )
+    _check_applicable(space, data)
+    return space
+
+
+# Optional keys of a space -> the DecodeConfig field they set, and which drafters they serve (None: any).
+_KEY_FIELDS = {
+    "recheck": ("recheck", None),
+    "draft_confidence": ("draft_confidence", None),
+    "lookup_min": ("lookup_min", None),
+    "self_draft": ("draft_skip", "self"),
+    "draft_model": ("draft_skip", "model"),
+}
+
+
+def _check_applicable(space: SearchSpace, data: dict[str, Any]) -> None:
+    """An optional key no trial of this space can use (``lookup_min`` without a hybrid drafter, ``recheck``
+    without a slim tier, ...) is refused, by the table :func:`viasd_tune.config.applies` derives from
+    DecodeConfig, as a flag that does nothing is."""
+    modes = ("sd", "viasd") if space.slim_tier else ("sd",)
+    for key, (name, runs) in _KEY_FIELDS.items():
+        if key not in data or (key == "recheck" and not any(space.recheck)):
+            continue
+        if (
+            key == "draft_confidence"
+            and isinstance(space.draft_confidence, tuple)
+            and not any(space.draft_confidence)
+        ):
+            continue
+        drafters = [d for d in space.drafter if runs is None or model_drafter(d) == runs]
+        if not any(applies(name, m, d) for m in modes for d in drafters):
+            why = (
+                where_applies(name, modes[-1])
+                if drafters
+                else f"it sets the skip set of drafter {runs} / lookup+{runs}, which drafter does not list"
+            )
+            raise UserError(
+                f"search space {space.source}: $.{key} does nothing with drafter {list(space.drafter)}"
+                f"{'' if space.slim_tier else ' and no slim tier'}: {why}; remove it or list such a drafter"
+            )
 
 
 def _tree(data: dict[str, Any], source: str) -> TreeSpec:
@@ -428,7 +482,7 @@ def _explain(error: jsonschema.ValidationError) -> str:
         return (
             f"missing key '{missing}'{_WHY_REQUIRED.get(missing, '')}; add it (see the shipped default.yaml)"
         )
-    return f"{_one_line(error.message)}; see the comments in the shipped default.yaml"
+    return f"{schema_problem(error)}; see the comments in the shipped default.yaml"
 
 
 def space_signature(space: SearchSpace, num_layers: int) -> str:

@@ -11,26 +11,28 @@ from pathlib import Path
 
 import optuna
 
+from ..credentials import check_storage, redact, scrub
 from ..errors import UserError
-from ..profile import redact_url
+from .records import TrialRecord
 
 
-def open_study(storage: str, name: str, seed: int, min_fidelity: float) -> optuna.Study:
+def open_study(storage, name: str, seed: int, min_fidelity: float) -> optuna.Study:
     """Create or resume a two-objective study (speedup, acceptance) with fidelity as a constraint (each trial
-    records it with ``trial.set_constraint``; the bound itself is the study's user attr ``min_fidelity``)."""
+    records it with ``trial.set_constraint``; the bound itself is the study's user attr ``min_fidelity``).
+    ``storage``: a URL, or a storage :func:`make_storage` already opened."""
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.set_constraint values
+    url = storage if isinstance(storage, str) else getattr(storage, "url", "")
     try:
         return optuna.create_study(
-            storage=make_storage(storage),
+            storage=make_storage(storage) if isinstance(storage, str) else storage,
             study_name=name,
             directions=["maximize", "maximize"],
             sampler=sampler,
             load_if_exists=True,
         )
     except (optuna.exceptions.StorageInternalError, ImportError, ValueError) as e:
-        raise UserError(
-            f"cannot open Optuna storage {redact_url(storage)}: {str(e).splitlines()[0]}"
-        ) from None
+        first = scrub((str(e).splitlines() or [type(e).__name__])[0], [url])
+        raise UserError(f"cannot open Optuna storage {redact(url)}: {first}") from None
 
 
 def make_storage(url: str):
@@ -39,25 +41,28 @@ def make_storage(url: str):
     ``VIASD_HEARTBEAT_INTERVAL`` / ``VIASD_GRACE_PERIOD`` (seconds) override the 30 s / 90 s defaults: a
     dead worker's trial is retried ``grace`` seconds after its last heartbeat, so tests use a few seconds.
     """
-    if "://" not in url:
-        raise UserError(
-            f"--storage {redact_url(url)!r} is not a storage URL; use sqlite:///path/to/study.db or "
-            "postgresql://user@host/db"
-        )
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+    check_storage(url)  # before any driver sees it
+    from optuna.storages import RDBStorage
 
     interval, grace = env_seconds("VIASD_HEARTBEAT_INTERVAL", 30), env_seconds("VIASD_GRACE_PERIOD", 90)
+
+    sqlite = url.startswith("sqlite")
+    # pysqlite: no implicit BEGIN (SQLAlchemy's recipe; _lock_on_begin emits ours) and a patient busy wait.
+    engine_kwargs = {"connect_args": {"isolation_level": None, "timeout": SQLITE_BUSY_S}} if sqlite else {}
 
     def connect() -> RDBStorage:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(
+            storage = RDBStorage(
                 _with_driver(url),
                 heartbeat_interval=interval,
                 grace_period=grace,
-                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
-                engine_kwargs={} if url.startswith("sqlite") else {"pool_pre_ping": True},
+                heartbeat_stale_trial_callback=RetryStaleTrial(max_retry=2),
+                engine_kwargs=engine_kwargs or {"pool_pre_ping": True},
             )
+        if sqlite:
+            _lock_on_begin(storage.engine)
+        return storage
 
     try:
         try:
@@ -74,8 +79,51 @@ def make_storage(url: str):
                 "its database driver is not installed (for PostgreSQL: pip install 'viasd-tune[postgres]')"
             )
         # Driver messages can quote the URL, and so its password: never print that.
-        first = first.replace(url, redact_url(url)).replace(_with_driver(url), redact_url(url))
-        raise UserError(f"cannot open Optuna storage {redact_url(url)}: {first}") from None
+        first = scrub(first, [url, _with_driver(url)])
+        raise UserError(f"cannot open Optuna storage {redact(url)}: {first}") from None
+
+
+SQLITE_BUSY_S = 60  # how long a SQLite transaction waits for another process's to finish
+
+
+def _lock_on_begin(engine) -> None:
+    """Start every SQLite transaction with ``BEGIN IMMEDIATE``, so it holds the write lock from its first read.
+
+    Optuna starts a queued (WAITING) trial by reading its state ``FOR UPDATE`` and setting it RUNNING. SQLite has
+    no row locks, and pysqlite begins a transaction only at its first write, so two workers could both read
+    WAITING and both start the same trial (4 processes popping 60 queued trials started 8 to 12 of them twice):
+    the search's reference points and seeded skip sets ran twice, and a trial one worker was running (and died in)
+    was completed by the other. Serialised transactions make that read-then-write atomic."""
+    from sqlalchemy import event
+
+    event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+
+
+class RetryStaleTrial:
+    """Re-queue a trial whose worker died (its heartbeat went stale) with the same params, as Optuna's
+    ``RetryHeartbeatStaleTrialCallback`` does (same ``failed_trial`` / ``retry_history`` system attrs, at most
+    ``max_retry`` retries), but without what the dead run recorded: Optuna copies every user attr, so a retry
+    showed the dead worker's name and whatever partial results it had recorded until its own worker overwrote
+    them, and a retry screened out by the replay kept the dead trial's measurements. What the trial was queued
+    with (``TrialRecord.enqueued``) is kept: it makes a reference point one, and a retry must run the same
+    configuration (without it a plain-SD reference point's retry sampled a VIA-SD configuration)."""
+
+    def __init__(self, max_retry: int):
+        self.max_retry = max_retry
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        system_attrs = {"failed_trial": trial.number, "retry_history": [], **trial.system_attrs}
+        system_attrs["retry_history"] = [*system_attrs["retry_history"], trial.number]
+        if len(system_attrs["retry_history"]) > self.max_retry:
+            return
+        retry = optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            params=trial.params,
+            distributions=trial.distributions,
+            system_attrs=system_attrs,
+            user_attrs=TrialRecord(enqueued=TrialRecord.read(trial).enqueued).attrs(),
+        )
+        study.add_trial(retry)
 
 
 def _with_driver(url: str) -> str:

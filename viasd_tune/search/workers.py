@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..credentials import ScrubFilter, scrub
 from ..errors import UserError
 from .export import DashboardWriter
 from .run import SearchSettings, run_search
@@ -32,8 +33,7 @@ def run_workers(s: SearchSettings, n_jobs: int, dashboard: DashboardWriter | Non
     (this process exports, with the dashboard when given its writer)."""
     if n_jobs < 1:
         raise UserError(f"--n-jobs must be at least 1 (got {n_jobs})")
-    Path(s.out).mkdir(parents=True, exist_ok=True)
-    s = worker_settings(s)
+    s = worker_settings(s)  # each process creates the folder once its own checks pass
     payload = json.dumps(dataclasses.asdict(dataclasses.replace(s, worker=True, progress=False)))
     procs = []
     try:
@@ -56,11 +56,15 @@ def main() -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    raw = json.load(sys.stdin)
+    storages = [raw.get("storage")] if isinstance(raw, dict) else []
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(ScrubFilter(storages))
     try:
-        s = SearchSettings(**json.load(sys.stdin))
+        s = SearchSettings(**raw)
         run_search(s)
     except UserError as e:
-        print(f"viasd-tune worker: error: {e}", file=sys.stderr)
+        print(f"viasd-tune worker: error: {scrub(str(e), storages)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("viasd-tune worker: interrupted", file=sys.stderr)

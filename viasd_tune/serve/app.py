@@ -302,7 +302,12 @@ def create_app(decoder, model_name: str, api_key: str | None = None, max_queue: 
             stop = check_stop(req.stop)
         except UserError as e:
             raise APIError(400, str(e), param="stop") from None
-        out = dict(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed, stop=stop)
+        seed = req.seed
+        if temperature == 0:
+            # OpenAI's API takes top_p and seed with greedy decoding and ignores them, and SDKs send them by
+            # default; the decoder refuses what does nothing (config.check_generation), so they are dropped here.
+            top_p, seed = 1.0, None
+        out = dict(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
         if hasattr(decoder, "decoders"):  # a routed profile's rule may read the task category
             out["category"] = req.category
         return out
