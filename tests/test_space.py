@@ -642,7 +642,14 @@ def test_tree_params_searched_where_they_have_an_effect(tmp_path: Path) -> None:
 
 
 def test_tree_reference_points_and_bad_tree_keys(tmp_path: Path) -> None:
-    space = doc_space(tmp_path, tree={**TREE, "nodes": [16, 1]}, drafter=["lookup+recycle", "lookup"])
+    space = doc_space(
+        tmp_path,
+        tree={**TREE, "nodes": [16, 1]},
+        drafter=["lookup+recycle", "lookup"],
+        draft_confidence=None,  # no drafter here runs a model: the keys for one are refused
+        self_draft=None,
+        draft_model=None,
+    )
     refs = reference_configs(space, 8, ["lookup", "lookup+recycle"])
     # VIA-SD: a chain drafter, a chain; plain SD: the recycling drafter's first tree, lookup's chain as before
     via, *plain = refs
@@ -653,7 +660,16 @@ def test_tree_reference_points_and_bad_tree_keys(tmp_path: Path) -> None:
     ]
     # Without a chain in the space, every reference point is a tree (and no VIA-SD point is possible).
     trees_only = reference_configs(
-        doc_space(tmp_path, tree={"nodes": [4, 8]}, drafter=["lookup"]), 8, ["lookup"]
+        doc_space(
+            tmp_path,
+            tree={"nodes": [4, 8]},
+            drafter=["lookup"],
+            draft_confidence=None,
+            self_draft=None,
+            draft_model=None,
+        ),
+        8,
+        ["lookup"],
     )
     assert [(c.mode, c.tree_nodes) for c in trees_only] == [("sd", 4)]
     assert plain[0].tree_lookup_depth == 8 and plain[0].tree_recycle_depth == 4  # defaults, inside the ranges
@@ -677,7 +693,7 @@ def test_a_seeded_skip_set_stays_a_chain_where_the_space_has_trees(tmp_path: Pat
     never leaves the skip set unused."""
     from viasd_tune.search.params import skip_params
 
-    space = doc_space(tmp_path, tree=TREE, drafter=["lookup", "model"])
+    space = doc_space(tmp_path, tree=TREE, drafter=["lookup", "model"], self_draft=None)
     skip = SkipSet.of([2, 3], [4])
     seeded = skip_params(space, 8, skip)
     assert seeded["tree_nodes"] == 1
