@@ -570,3 +570,45 @@ def test_routed_versus_configurations_pairs_runs_of_the_same_repeat():
     assert b["all"]["values"] == pytest.approx([4 / 5, 4 / 5]) and b["all"]["ahead"] == 0
     assert a["per_group"]["g0"]["values"] == pytest.approx([1.0, 1.0]) and a["per_group"]["g0"]["ahead"] == 0
     assert b["per_group"]["g1"]["median"] == pytest.approx(1.0)
+
+
+def test_tree_method_and_a_tree_profile_are_lossless_beside_hf(tiny_dirs, calibration_ids, tmp_path):
+    """--tree-nodes adds ``sd-tree`` (lookup + recycling + the draft model) to the default methods; it and a tree
+    profile emit HF greedy's tokens in fp32 over tree rounds, and their settings and stats say so."""
+    from viasd_tune.config import DecodeConfig
+
+    p = tiny_profile(tiny_dirs, calibration_ids)
+    tree = DecodeConfig(mode="sd", gamma=4, drafter="lookup+recycle", tree_nodes=6, tree_lookup_width=2)
+    decoding = tree.to_profile()
+    p.update(decoding, routing={"skip_attn": [], "skip_mlp": []})
+    p["draft"] = {"kind": decoding["draft"]["kind"], "name": None, "fingerprint": None}
+    profile = tmp_path / "treeprof" / "profile.json"
+    write_profile(profile, p)
+    out = tmp_path / "out"
+    argv = ["bench", "--model", tiny_dirs[0], "--draft", tiny_dirs[1], "--profile", str(profile), "--data",
+            "builtin", "--categories", "math_reasoning", "--prompts", "2", "--gamma", "3", "--tree-nodes", "8",
+            "--out", str(out)]  # fmt: skip
+    assert main([*argv, *FAST, "--max-new-tokens", "24"]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    names = result["meta"]["methods"]
+    assert names == ["hf", "ar", "hf-assisted", "hf-assisted-default", "sd", "sd-tree", "viasd:treeprof"]
+    assert result["meta"]["tree_nodes"] == 8 and "--tree-nodes 8" in result["meta"]["command"]
+    settings = result["methods"]["sd-tree"]["settings"]
+    assert (settings["drafter"], settings["gamma"]) == ("lookup+recycle+model", 3)
+    assert settings["tree"]["nodes"] == 8
+    assert result["methods"]["viasd:treeprof"]["settings"]["tree"] == decoding["tree"]
+    for m in ("sd-tree", "viasd:treeprof"):
+        assert result["summary"][m]["exact_match"] == 1.0, m
+        runs = [r for r in result["records"] if r["method"] == m]
+        assert len(runs) == 2
+        assert all(r["stats"]["full_calls"] == r["stats"]["rounds"] for r in runs)  # one tree forward a round
+        assert sum(r["stats"]["tree_nodes_verified"] for r in runs) > 0
+
+
+def test_tree_nodes_out_of_range_is_refused_before_loading(tiny_dirs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    rc = main(["bench", "--model", tiny_dirs[0], "--data", "builtin", "--tree-nodes", "65",
+               "--out", str(tmp_path / "o"), *FAST])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "tree_nodes (--tree-nodes) must be a whole number from 0 to 64" in err
+    assert err.count("\n") == 1

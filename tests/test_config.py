@@ -181,7 +181,7 @@ def test_profile_draft_skip_sets_follow_the_drafter():
     with pytest.raises(UserError, match=r"\$\.draft\.skip_mlp: layer 25 is out of range; the draft has 24"):
         validate_profile(p)
     p.update(drafter="lookup", draft={"kind": "lookup", "name": None, "fingerprint": None, "skip_attn": [1]})
-    with pytest.raises(UserError, match=r"\$\.draft\.skip_attn: prompt lookup runs no model"):
+    with pytest.raises(UserError, match=r"\$\.draft\.skip_attn: drafter .lookup. runs no model"):
         validate_profile(p)
 
 
@@ -291,6 +291,14 @@ def test_export_reads_an_older_trials_record():
         (["--draft-confidence", "1"], "draft_confidence (--draft-confidence) must be in [0, 1)"),
         (["--draft-confidence", "nan"], "argument --draft-confidence: 'nan' is not a finite number"),
         (["--mode", "ar", "--gamma", "-3"], "gamma must be from 1 to 64"),
+        (["--tree-nodes", "65"], "tree_nodes (--tree-nodes) must be a whole number from 0 to 64"),
+        (["--mode", "viasd", "--tree-nodes", "8"], "mode viasd verifies chains only"),
+        (["--mode", "viasd", "--drafter", "lookup+recycle"], "mode viasd verifies chains only"),
+        (
+            ["--mode", "sd", "--drafter", "lookup+self", "--draft-skip-mlp", "1", "--tree-nodes", "4"],
+            "does not build token trees",
+        ),
+        (["--mode", "sd", "--drafter", "recycle", "--tree-recycle-width", "0"], "tree_recycle_width"),
     ],
 )
 def test_cli_refuses_bad_values_before_loading_a_model(flags, needle, capsys, monkeypatch):

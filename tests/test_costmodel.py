@@ -138,3 +138,47 @@ def test_draft_model_skip_set_is_cheaper(model, context) -> None:
     assert cost.draft_layers == 4
     whole, light = cost.draft_time(8), cost.draft_time(8, SkipSet.of([1, 2], [1, 2]))
     assert light == pytest.approx(whole * 0.5)
+
+
+def test_a_verify_block_is_priced_by_its_size_on_the_measured_curve(model, context) -> None:
+    """The full target's block cost is measured at the curve's sizes up to the space's largest block; a block
+    between two sizes costs the interpolation, one beyond the last the last segment's slope, and a skip pass
+    the curve scaled by the linear model's skip-set ratio. A non-linear curve (issue 33's AVX-512-bf16 host)
+    is priced as measured, where the linear model alone cannot bend."""
+    fitted = costmodel.fit(model, None, context, reps=3, clock=CLOCK, max_block=20)
+    assert [k for k, _ in fitted.blocks] == [1, 2, 4, 8, 12, 16, 20]
+    for k, seconds in fitted.blocks:
+        assert fitted.target_time(k, None) == pytest.approx(seconds)
+    # issue 33's curve, in 1-token steps
+    steps = ((1, 1.0), (2, 0.92), (4, 1.16), (8, 1.35), (16, 1.54), (32, 2.37), (64, 3.50))
+    curve = costmodel.CostModel(fitted.target, fitted.n_layers, blocks=steps)
+    assert curve.target_time(12, None) == pytest.approx((1.35 + 1.54) / 2)
+    assert curve.target_time(2, None) < curve.target_time(1, None)  # as measured, not as a line would have it
+    assert curve.target_time(80, None) == pytest.approx(3.50 + 16 * (3.50 - 2.37) / 32)
+    linear = costmodel.CostModel(fitted.target, fitted.n_layers)
+    for k in (1, 9, 40):
+        ratio = linear.target_time(k, MOST) / linear.target_time(k, None)
+        assert curve.target_time(k, MOST) == pytest.approx(curve.target_time(k, None) * ratio)
+    assert fitted.target_time(4, MOST) < fitted.target_time(4, None)
+
+
+def test_replayed_tree_rounds_cost_what_decoding_measures(model) -> None:
+    """A token tree's verify block (the pending token and every node) priced on the curve: the replay's modelled
+    full-target seconds of tree configurations are those decoding measures, within a factor of 2."""
+    prompts = [torch.tensor([(7 * i + j) % 90 + 3 for i in range(12 + 5 * j)]) for j in range(3)]
+    decoder = functools.partial(Decoder, model, None, eos=set(), lm=functools.partial(CachedLM, clock=CLOCK))
+    refs = [replay.Reference(str(j), p, decoder(DecodeConfig(mode="ar")).generate(p, 16).token_ids, 0.0)
+            for j, p in enumerate(prompts)]  # fmt: skip
+    cost = costmodel.fit(model, None, prompts[0], reps=3, clock=CLOCK, max_block=33)
+    cache = replay.ReplayCache(model, refs, max_new_tokens=16, eos=set(), cost=cost)
+    for nodes in (8, 32):
+        cfg = DecodeConfig(
+            mode="sd", gamma=6, drafter="lookup+recycle", tree_nodes=nodes, tree_recycle_width=4
+        )
+        est = replay.simulate(cache, cfg)
+        decoder(cfg).generate(prompts[0], 16)  # warm-up
+        decoded = [decoder(cfg).generate(p, 16) for p in prompts]
+        assert [r.token_ids for r in decoded] == est.outputs
+        assert est.total("tree_nodes_verified") > 0
+        measured = sum(r.stats.full_time_s for r in decoded)
+        assert 0.5 <= est.total("full_time_s") / measured <= 2.0, (nodes, est.total("full_time_s"), measured)

@@ -585,3 +585,32 @@ def test_renders_in_headless_chromium(built):
         assert 900 <= f["width"] <= 1100 and f["height"] >= 250, f
     assert shot.stat().st_size > 50_000
     assert time.monotonic() - started < 30
+
+
+def test_a_tree_trial_shows_its_tree(tmp_path):
+    """A tree configuration's node budget and each source's depth and width, in its hover and in the exported
+    profile's row; chain trials say nothing of trees."""
+    study = new_study()
+    populate(study, export=False)
+    t = _plain_sd_trial()
+    tree = {"drafter": "lookup+recycle", "tree_nodes": 16, "tree_lookup_depth": 7, "tree_lookup_width": 3,
+            "tree_recycle_depth": 5, "tree_recycle_width": 2, "tree_model_depth": 4, "tree_model_width": 4}  # fmt: skip
+    study.add_trial(
+        create_trial(
+            values=[3.0, 3.1],
+            params=t.params,
+            distributions=t.distributions,
+            user_attrs={**t.user_attrs, "config": {**t.user_attrs["config"], **tree}},
+            system_attrs=t.system_attrs,
+        )
+    )
+    number = len(study.trials) - 1
+    study.set_user_attr("exported_trial", number)
+    page = read_page(dashboard.build_dashboard(study, tmp_path / "dashboard.html"))
+    want = "tree of 16 nodes · lookup depth 7 width 3 · recycle depth 5 width 2"
+    assert want in page.facts["its routing"]
+    hovers = [h for t in figure(page, "pareto")["data"] for h in t.get("hovertext") or []]
+    # its point and the export's star: one text
+    (mine,) = {h for h in hovers if h.startswith(f"<b>trial #{number}</b>")}
+    assert want in mine and "model depth" not in mine
+    assert all("tree of" not in h for h in hovers if h != mine)

@@ -393,7 +393,7 @@ def _space(tmp_path, **changes):
     from viasd_tune.search.space import shipped_space_file
 
     doc = yaml.safe_load(shipped_space_file("default").read_text())
-    for key in ("recheck", "draft_confidence", "draft_model"):  # optional keys these tests do not fix params for
+    for key in ("recheck", "draft_confidence", "draft_model", "tree"):  # optional keys these tests fix no params for
         doc.pop(key, None)
     doc.update(changes)
     path = tmp_path / "space.yaml"

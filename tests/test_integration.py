@@ -61,6 +61,8 @@ def test_ar_equals_transformers_generate(smol, ar_outputs):
 LOSSLESS = {
     "sd-self": DecodeConfig(mode="sd", gamma=2, drafter="self", draft_skip=SELF_DRAFT),
     "sd-lookup": DecodeConfig(mode="sd", gamma=5, drafter="lookup"),
+    # A token tree (issue 33): lookup and token recycling under a budget of 12 nodes, 6 deep at most.
+    "sd-tree-lookup+recycle": DecodeConfig(mode="sd", gamma=6, drafter="lookup+recycle", tree_nodes=12),
     "viasd-escalate0": DecodeConfig(
         mode="viasd",
         gamma=4,
@@ -87,6 +89,8 @@ def test_lossless_modes_equal_ar(smol, ar_outputs, name):
         assert s.tokens_direct + s.tokens_slim + s.tokens_full == s.new_tokens == len(ar_outputs[prompt])
         if config.tau_escalate == 0:
             assert s.tokens_full == s.new_tokens and s.slim_calls == 0
+        if config.is_tree:
+            assert s.tree_nodes_verified > 0 and s.full_calls == s.rounds
 
 
 def test_viasd_with_real_thresholds(smol):

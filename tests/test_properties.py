@@ -19,7 +19,7 @@ from conftest import VOCAB, logits_over_committed, noisy_copy, tiny_model, valid
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from viasd_tune.config import DRAFTERS, DecodeConfig, model_drafter
+from viasd_tune.config import CHAIN_DRAFTERS, DecodeConfig, model_drafter
 from viasd_tune.decoding.common import DIRECT, FULL, SLIM, divergence
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.routing import SkipSet, skipping
@@ -56,7 +56,7 @@ skip_sets = st.builds(
 )
 nonempty_skip_sets = skip_sets.filter(lambda s: not s.is_empty)
 gammas = st.integers(1, 6)
-drafters = st.sampled_from(DRAFTERS)  # the hybrids lookup+model and lookup+self included
+drafters = st.sampled_from(CHAIN_DRAFTERS)  # the hybrids too; tree drafters: test_tree.py
 lookup_mins = st.integers(1, 4)
 kls = st.sampled_from(["forward", "reverse", "js"])
 archs = st.sampled_from(ARCHS)

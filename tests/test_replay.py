@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import logits_over_committed, noisy_copy, tiny_model
 
-from viasd_tune.config import DRAFTERS, HYBRIDS, DecodeConfig
+from viasd_tune.config import CHAIN_DRAFTERS, HYBRIDS, DecodeConfig
 from viasd_tune.decoding.common import CachedLM
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.fidelity import greedy_agreement
@@ -123,10 +123,10 @@ def configs(drafter: str, seed: int, n: int) -> list[DecodeConfig]:
     return out
 
 
-@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("drafter", CHAIN_DRAFTERS)
 def test_replay_is_the_engine(models, drafter: str) -> None:
     target, draft = models
-    ps = prompts(4, seed=DRAFTERS.index(drafter))
+    ps = prompts(4, seed=CHAIN_DRAFTERS.index(drafter))
     cache = replay.ReplayCache(target, references(target, ps), draft, max_new_tokens=MAX_NEW, eos=EOS)
     seen = {"slim": 0, "direct": 0, "rollbacks": 0, "lossy": 0, "lookup": 0, "model": 0, "confidence": 0}
     for cfg in configs(drafter, seed=7, n=16):
@@ -145,6 +145,54 @@ def test_replay_is_the_engine(models, drafter: str) -> None:
     assert bool(seen["lookup"]) == drafter.startswith("lookup"), seen
     assert bool(seen["model"]) == (drafter != "lookup"), seen
     assert seen["confidence"] or drafter == "lookup", seen
+
+
+TREE_DRAFTERS = ["lookup", "recycle", "lookup+recycle", "model", "lookup+model", "lookup+recycle+model"]
+
+
+def tree_configs(drafter: str, seed: int, n: int) -> list[DecodeConfig]:
+    """Token trees (issue 33) of random budgets (chains included) and source shapes, each field set only where
+    it acts (a field that does nothing is refused)."""
+    rng = random.Random(seed)
+    parts = drafter.split("+")
+    out = []
+    for _ in range(n):
+        nodes = rng.choice([1, 4, 12, 24])
+        fields: dict = {"mode": "sd", "gamma": rng.choice([2, 4, 6]), "drafter": drafter, "tree_nodes": nodes}
+        if nodes > 1 or "recycle" in parts:  # the sources' shapes act on trees only
+            for source, depth in (("lookup", (2, 6)), ("recycle", (1, 4)), ("model", (1, 4))):
+                if source in parts:
+                    fields[f"tree_{source}_depth"] = rng.randint(*depth)
+                    fields[f"tree_{source}_width"] = rng.randint(1, 3)
+        if "model" in parts:
+            fields.update(draft_skip=rng.choice(MODEL_SKIPS), draft_confidence=rng.choice([0.0, 0.3]))
+        if drafter in HYBRIDS or "recycle" in parts:
+            fields["lookup_min"] = rng.choice([1, 2])
+        out.append(DecodeConfig(**fields))
+    return out
+
+
+@pytest.mark.parametrize("drafter", TREE_DRAFTERS)
+def test_replay_serves_tree_rounds(models, drafter: str) -> None:
+    """Tree rounds through the replay: every node's row served by its path's prefix (the draft model's levels
+    too), so the replay gives real decoding's tokens, tier labels and every count (tree nodes verified and
+    accepted depth included); a second pass over the same trees is served from the memo alone."""
+    target, draft = models
+    ps = prompts(4, seed=40 + TREE_DRAFTERS.index(drafter))
+    cache = replay.ReplayCache(target, references(target, ps), draft, max_new_tokens=MAX_NEW, eos=EOS)
+    verified = accepted = 0
+    cfgs = tree_configs(drafter, seed=TREE_DRAFTERS.index(drafter), n=5)
+    for cfg in cfgs:
+        est = check(cache, cfg, decode(target, draft, cfg, ps))
+        verified += int(est.total("tree_nodes_verified"))
+        accepted += int(est.total("tree_depth_accepted"))
+        if cfg.is_tree:
+            assert est.total("full_calls") == est.total("rounds")  # one tree forward a round
+    assert verified > accepted > 0  # trees were verified, and some of their nodes accepted
+    misses = cache.memo.misses
+    for cfg in cfgs:
+        check(cache, cfg, decode(target, draft, cfg, ps))
+    assert cache.memo.misses == misses
 
 
 def test_replay_of_ar_is_the_reference(models) -> None:

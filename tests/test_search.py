@@ -583,3 +583,42 @@ def test_a_replayed_trial_is_decoded_only_if_it_could_enter_the_front():
     assert could_enter_front(study, 2.0, 2.0 / (1 + FRONT_SLACK) + 0.01)  # too close on acceptance
     assert could_enter_front(study, 2.3, 1.0)  # predicted 1.15: within the slack on speedup
     assert could_enter_front(study, 3.0, 0.5)  # predicted faster than anything measured
+
+
+def test_a_search_over_token_trees_replays_and_decodes_them_alike(tiny_dirs, tmp_path):
+    """A space with trees (issue 33): tree trials are scored through the replay (the engine's tree rounds over
+    recorded forwards, priced on the measured block-cost curve), decoded for real with the same tier shares (fp32),
+    and a tree trial's configuration exports as a profile that runtime.load serves."""
+    space = tmp_path / "trees.yaml"
+    space.write_text(
+        "version: 1\n"
+        "skip: {encoding: budget, sublayers: [attn, mlp], protect_first: 1, protect_last: 1,"
+        " budget: {min: 0.0, max: 0.0}}\n"
+        "tau_escalate: {low: 0.05, high: 20.0, log: true}\n"
+        "tau_accept_ratio: {low: 0.001, high: 1.0, log: true}\n"
+        "kl: [forward]\n"
+        "gamma: [3, 5]\n"
+        "drafter: [lookup+recycle, lookup+recycle+model, lookup]\n"
+        "tree: {nodes: [12, 4], recycle: {width: {low: 1, high: 3}}, model: {depth: {low: 1, high: 3}}}\n"
+    )
+    out = tmp_path / "trees"
+    summary = run_search(settings(tiny_dirs, out, space=str(space), trials=4))
+    study = optuna.load_study(study_name="trees", storage=f"sqlite:///{out / 'study.db'}")
+    measured = [
+        t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs["measured"]
+    ]
+    trees = [t for t in measured if t.user_attrs["config"]["tree_nodes"] > 1]
+    assert trees and study.user_attrs["signature"]  # the reference points alone hold two tree trials
+    for t in measured:
+        assert t.user_attrs["replay_gap"] == pytest.approx(0.0, abs=1e-9), t.user_attrs["config"]
+        assert t.user_attrs["speedup_modelled"] > 0
+    chosen = study.trials[summary["trial"]]
+    profile = build_profile(study, trees[0], study.user_attrs.get(f"held_out:{chosen.number}"))
+    cfg = DecodeConfig.from_profile(profile)
+    assert cfg.tree_nodes == trees[0].user_attrs["config"]["tree_nodes"] and cfg.is_tree
+    target, draft = (models.load(d, "float32", "cpu") for d in tiny_dirs)
+    dec = runtime.load(profile, model=target, draft=draft, strict=True)
+    ar = Decoder(target.model, target.tokenizer, DecodeConfig(mode="ar"))
+    for prompt in ("abcabcabc", "The quick brown fox"):
+        out_tokens = dec.generate(prompt, max_new_tokens=MAX_NEW_TOKENS).token_ids
+        assert out_tokens == ar.generate(prompt, max_new_tokens=MAX_NEW_TOKENS).token_ids

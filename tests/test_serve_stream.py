@@ -23,6 +23,9 @@ CONFIGS = {
     "ar": DecodeConfig(mode="ar"),
     "sd-lookup": DecodeConfig(mode="sd", drafter="lookup", gamma=4),
     "sd-model": DecodeConfig(mode="sd", drafter="model", gamma=3),
+    # token trees (issue 33): each round is one tree forward; sampled with a seed too
+    "sd-tree-lookup+recycle": DecodeConfig(mode="sd", drafter="lookup+recycle", gamma=4, tree_nodes=10),
+    "sd-tree-model": DecodeConfig(mode="sd", drafter="lookup+recycle+model", gamma=3, tree_nodes=8),
     # τ_escalate 50 lets the slim verifier settle nearly everything, so recheck rolls some of it back
     "viasd-recheck": DecodeConfig(
         mode="viasd", drafter="model", gamma=4, skip=SkipSet.of([2], [1]), tau_escalate=50.0, recheck=True
@@ -185,9 +188,10 @@ def test_stop_filter_holds_back_a_possible_start_only() -> None:
     assert f.feed("a ST", lookahead="OP!") == "a " and f.hit  # found in the not-yet-released text too
 
 
-def test_stop_with_real_decoding(char_pair, one_thread) -> None:
+@pytest.mark.parametrize("name", ["viasd-recheck", "sd-tree-model"])
+def test_stop_with_real_decoding(char_pair, one_thread, name) -> None:
     target, draft, tok = char_pair
-    dec = Decoder(target, tok, CONFIGS["viasd-recheck"], draft=draft)
+    dec = Decoder(target, tok, CONFIGS[name], draft=draft)
     hits = 0
     for prompt in _text_prompts(8, seed=3):
         ref = dec.generate(prompt, max_new_tokens=40)

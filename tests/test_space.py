@@ -18,7 +18,7 @@ import optuna
 import pytest
 import yaml
 
-from viasd_tune.config import DecodeConfig
+from viasd_tune.config import DecodeConfig, model_drafter
 from viasd_tune.errors import UserError
 from viasd_tune.routing import SkipSet
 from viasd_tune.search.params import enqueue_known_points, evenly_spaced_skip, known_points, suggest
@@ -257,11 +257,10 @@ def check_config(
     draft_layers: int | None = None,
 ) -> None:
     eligible = set(range(space.skip.protect_first, num_layers - space.skip.protect_last))
-    assert (
-        cfg.mode == ("sd" if trial.params.get("escalate_all") else "viasd") and cfg.recheck in space.recheck
-    )
+    plain = trial.params.get("escalate_all") or cfg.is_tree  # token trees are plain SD
+    assert cfg.mode == ("sd" if plain else "viasd") and cfg.recheck in space.recheck
     confidence = space.draft_confidence
-    if cfg.drafter == "lookup":
+    if model_drafter(cfg.drafter) is None:
         assert cfg.draft_confidence == 0.0 and "draft_confidence" not in trial.params
     elif isinstance(confidence, FloatRange):
         assert confidence.low <= cfg.draft_confidence <= confidence.high
@@ -273,7 +272,7 @@ def check_config(
     assert trial.user_attrs["config"] == cfg.to_dict()
     assert DecodeConfig.from_dict(trial.user_attrs["config"]) == cfg
     params = trial.params
-    if params.get("escalate_all"):
+    if plain:
         assert cfg.mode == "sd" and cfg.tau_escalate == 0.0 and cfg.skip.is_empty and not cfg.recheck
         assert "tau_escalate" not in params and "kl" not in params and "recheck" not in params
     else:
@@ -590,3 +589,122 @@ def test_space_without_skipping_searches_plain_sd_only(tmp_path: Path) -> None:
     _, sampled = run_study(space, 8, ALL, n_trials=30)
     assert {c.mode for c in sampled} == {"sd"} and len({c.drafter for c in sampled}) > 1
     assert all(c.skip.is_empty for c in sampled)
+
+
+# ---------------------------------------------------------------- token trees (issue 33)
+
+TREE = {
+    "nodes": [1, 8, 16],
+    "lookup": {"depth": {"low": 4, "high": 8}, "width": {"low": 1, "high": 4}},
+    "recycle": {"depth": {"low": 2, "high": 5}, "width": {"low": 2, "high": 2}},
+    "model": {"depth": {"low": 2, "high": 4}},
+}
+TREE_DRAFTERS = ["lookup", "recycle", "lookup+recycle", "model", "lookup+recycle+model", "self"]
+
+
+def test_tree_params_searched_where_they_have_an_effect(tmp_path: Path) -> None:
+    """Node budgets and each source's depth/width: trees and recycling drafters are plain SD (VIA-SD verifies
+    chains), a source's shape is asked only when the drafter has that source, widths only for a tree, a fixed
+    range is not a param, the self-draft never gets a tree; every configuration is valid."""
+    space = doc_space(tmp_path, tree=TREE, drafter=TREE_DRAFTERS)
+    assert (
+        space.tree.nodes == (1, 8, 16)
+        and space.tree.recycle_width == (2, 2)
+        and space.tree.model_width is None
+    )
+    assert space.max_block == 17  # 16 nodes and the pending token: the cost curve is measured up to it
+    study, configs = run_study(space, 8, TREE_DRAFTERS + ["lookup+self"], n_trials=150)
+    seen = set()
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        p, parts = trial.params, cfg.drafter.split("+")
+        assert DecodeConfig.from_dict(trial.user_attrs["config"]) == cfg
+        if cfg.drafter == "self":
+            assert "tree_nodes" not in p and cfg.tree_nodes == 1
+            continue
+        assert cfg.tree_nodes == p["tree_nodes"] in (1, 8, 16)
+        if cfg.is_tree:
+            assert cfg.mode == "sd" and cfg.skip.is_empty and "kl" not in p and "tau_escalate" not in p
+            seen.add((cfg.drafter, cfg.tree_nodes > 1))
+        shaped = {k for k in p if k.startswith("tree_") and k != "tree_nodes"}
+        expected = set()
+        if cfg.is_tree:
+            expected |= {f"tree_{s}_depth" for s in ("lookup", "recycle", "model") if s in parts}
+            if cfg.tree_nodes > 1:
+                expected |= {"tree_lookup_width"} if "lookup" in parts else set()
+        assert shaped == expected, (cfg.drafter, cfg.tree_nodes, shaped)
+        assert 4 <= cfg.tree_lookup_depth <= 8 if "tree_lookup_depth" in p else cfg.tree_lookup_depth == 8
+        assert cfg.tree_recycle_width == (
+            2 if "recycle" in parts and cfg.tree_nodes > 1 else 4
+        )  # fixed: no param
+        assert cfg.tree_model_width == DecodeConfig.tree_model_width  # no range: the default
+    assert {("recycle", False), ("recycle", True), ("lookup", True), ("lookup+recycle+model", True)} <= seen
+    assert any(c.mode == "viasd" and c.drafter == "lookup" for c in configs)  # chains still go through VIA-SD
+
+
+def test_tree_reference_points_and_bad_tree_keys(tmp_path: Path) -> None:
+    space = doc_space(
+        tmp_path,
+        tree={**TREE, "nodes": [16, 1]},
+        drafter=["lookup+recycle", "lookup"],
+        draft_confidence=None,  # no drafter here runs a model: the keys for one are refused
+        self_draft=None,
+        draft_model=None,
+    )
+    refs = reference_configs(space, 8, ["lookup", "lookup+recycle"])
+    # VIA-SD: a chain drafter, a chain; plain SD: the recycling drafter's first tree, lookup's chain as before
+    via, *plain = refs
+    assert (via.mode, via.drafter, via.tree_nodes) == ("viasd", "lookup", 1)
+    assert [(c.mode, c.drafter, c.tree_nodes) for c in plain] == [
+        ("sd", "lookup+recycle", 16),
+        ("sd", "lookup", 1),
+    ]
+    # Without a chain in the space, every reference point is a tree (and no VIA-SD point is possible).
+    trees_only = reference_configs(
+        doc_space(
+            tmp_path,
+            tree={"nodes": [4, 8]},
+            drafter=["lookup"],
+            draft_confidence=None,
+            self_draft=None,
+            draft_model=None,
+        ),
+        8,
+        ["lookup"],
+    )
+    assert [(c.mode, c.tree_nodes) for c in trees_only] == [("sd", 4)]
+    assert plain[0].tree_lookup_depth == 8 and plain[0].tree_recycle_depth == 4  # defaults, inside the ranges
+    for bad, needle in (
+        ({"nodes": [65]}, r"\$\.tree\.nodes\[0\]"),
+        ({"nodes": []}, r"\$\.tree\.nodes"),
+        (
+            {"nodes": [4], "recycle": {"depth": {"low": 5, "high": 2}}},
+            r"\$\.tree\.recycle\.depth: low 5 > high 2",
+        ),
+        ({"nodes": [4], "model": {"width": {"low": 0, "high": 2}}}, r"\$\.tree\.model\.width\.low"),
+        ({"nodes": [4], "bushes": 3}, r"\$\.tree"),
+    ):
+        with pytest.raises(UserError, match=needle) as err:
+            load_space(write(tmp_path, edited(tree=bad)))
+        assert "\n" not in str(err.value)
+
+
+def test_a_seeded_skip_set_stays_a_chain_where_the_space_has_trees(tmp_path: Path) -> None:
+    """Seeded skip sets are for VIA-SD, which verifies chains: their params pin a chain, so a sampled tree budget
+    never leaves the skip set unused."""
+    from viasd_tune.search.params import skip_params
+
+    space = doc_space(tmp_path, tree=TREE, drafter=["lookup", "model"], self_draft=None)
+    skip = SkipSet.of([2, 3], [4])
+    seeded = skip_params(space, 8, skip)
+    assert seeded["tree_nodes"] == 1
+    fixed = {
+        "drafter": "lookup",
+        "gamma": 4,
+        "kl": "js",
+        "tau_escalate": 1.0,
+        "tau_accept_ratio": 0.5,
+        "recheck": False,
+    }
+    cfg = suggest(optuna.trial.FixedTrial({**fixed, **seeded}), space, 8, ["lookup", "model"])
+    assert (cfg.mode, cfg.tree_nodes, cfg.skip) == ("viasd", 1, skip)
+    assert "tree_nodes" not in skip_params(doc_space(tmp_path), 8, skip)  # a space without trees: as before

@@ -21,6 +21,8 @@ from .config import (
     GAMMA_MAX,
     KL_KINDS,
     MODES,
+    TREE_NODES_MAX,
+    TREE_SOURCE_FIELDS,
     DecodeConfig,
     check_applicable,
     check_generation,
@@ -130,6 +132,24 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
         help="drafters lookup+model/lookup+self: use a prompt-lookup proposal of at least N tokens (or of γ), "
         "else the model drafts the round; 1..64 (default 1)",
     )
+    p.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"mode sd: verify a token tree of up to N draft nodes in one target forward, 0..{TREE_NODES_MAX} "
+        "(default 1: a chain of --gamma drafts); its depth is at most --gamma",
+    )
+    for name in TREE_SOURCE_FIELDS:
+        source, what = name.split("_")[1:]
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"token tree: the {source} source's {'depth' if what == 'depth' else 'branching (top-k)'}, "
+            f"1..{GAMMA_MAX} (default {getattr(DecodeConfig, name)})",
+        )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -271,6 +291,8 @@ def _decode_config(args) -> DecodeConfig:
         recheck=given("recheck", False),
         draft_confidence=given("draft_confidence", 0.0),
         lookup_min=given("lookup_min", 1),
+        tree_nodes=given("tree_nodes", 1),
+        **{name: given(name, getattr(DecodeConfig, name)) for name in TREE_SOURCE_FIELDS},
     )
     check_applicable(config.mode, config.drafter, [name for name, _ in _given_flags(args)])
     if args.draft and (config.mode == "ar" or config.model_drafter != "model"):

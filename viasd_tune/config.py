@@ -3,7 +3,7 @@
 :class:`DecodeConfig` is built in one place per source and validated where it is built:
 
 - from flags or Python: ``DecodeConfig(mode=, gamma=, drafter=, skip=, draft_skip=, tau_accept=, tau_escalate=,
-  kl=, recheck=, draft_confidence=, lookup_min=)``;
+  kl=, recheck=, draft_confidence=, lookup_min=, tree_nodes=, tree_lookup_depth=, …)``;
 - from a profile: :meth:`DecodeConfig.from_profile` (and back with :meth:`DecodeConfig.to_profile`);
 - from an Optuna trial's params: ``search.params.suggest`` (it needs the search space);
 - from the flat JSON record a trial keeps in its user attr ``config`` (and ``generate --json`` prints):
@@ -25,18 +25,26 @@ from .errors import UserError
 from .routing import SkipSet
 
 MODES = ("ar", "sd", "viasd")
-DRAFTERS = ("model", "self", "lookup", "lookup+model", "lookup+self")
+CHAIN_DRAFTERS = ("model", "self", "lookup", "lookup+model", "lookup+self")
+# Drafters with token recycling (issue 33) run the tree round even as a chain (they learn from its logits).
+RECYCLE_DRAFTERS = ("recycle", "lookup+recycle", "lookup+recycle+model")
+DRAFTERS = CHAIN_DRAFTERS + RECYCLE_DRAFTERS
 # The hybrids: prompt lookup first each round, the model drafter (a separate model or the self-draft) when it misses.
 HYBRIDS = {"lookup+model": "model", "lookup+self": "self"}
 KL_KINDS = ("forward", "reverse", "js")
 SPECULATIVE = ("sd", "viasd")  # the modes that draft
 GAMMA_MAX = 64  # drafted tokens per round; more only costs memory and time (a verify block is γ + 1 tokens)
+TREE_NODES_MAX = 64  # draft nodes per tree (a verify block of 65 tokens costs ~3.5 steps on AVX-512-bf16)
+# The tree fields, each a whole number from 1 to GAMMA_MAX; their flags are --tree-lookup-depth etc.
+TREE_SOURCES = ("lookup", "recycle", "model")  # a tree drafter's sources, named by its parts
+TREE_SOURCE_FIELDS = tuple(f"tree_{source}_{what}" for source in TREE_SOURCES for what in ("depth", "width"))
 
 
 def model_drafter(drafter: str) -> str | None:
     """The model-based drafter a drafter kind runs: ``model`` (a separate draft model) or ``self`` (the target under
-    ``draft_skip``), for the hybrids too; ``None`` for plain prompt lookup."""
-    return HYBRIDS.get(drafter, drafter) if drafter != "lookup" else None
+    ``draft_skip``), alone or behind lookup / recycling; ``None`` for lookup and recycling alone."""
+    parts = drafter.split("+")
+    return "model" if "model" in parts else "self" if "self" in parts else None
 
 
 _ROUTES = "the divergence and thresholds route tokens to the slim verifier"
@@ -63,6 +71,8 @@ def _names(choices: tuple[str, ...]) -> str:
 # one that does nothing somewhere says so in its own ``field(metadata=scope(...))``. The CLI, profiles, search
 # spaces and the Python API all refuse a value that does nothing through :func:`check_applicable`.
 MODEL_DRAFTERS = tuple(d for d in DRAFTERS if model_drafter(d))  # the drafters that run a model
+LOOKUP_DRAFTERS = tuple(d for d in DRAFTERS if "lookup" in d.split("+"))  # a token tree's sources, by drafter
+TREE_MODEL_DRAFTERS = tuple(d for d in DRAFTERS if "model" in d.split("+"))
 
 
 def scope(
@@ -142,7 +152,14 @@ class DecodeConfig:
     - ``draft_confidence``: in [0, 1); stop drafting once the drafter's top-1 probability falls below it
       (0: off, always draft ``gamma`` tokens);
     - ``lookup_min``: the hybrids only, 1..64; the shortest lookup proposal used as the round's drafts (capped
-      at ``gamma``: a lookup of γ tokens is always used), shorter ones let the model drafter draft instead.
+      at ``gamma``: a lookup of γ tokens is always used), shorter ones let the model drafter draft instead;
+    - ``tree_nodes``: 0..64, the node budget of a token tree verified in one target forward (mode ``sd``);
+      0 or 1 is a chain of γ drafts, today's round. With N > 1 the drafter's sources (``lookup``, ``recycle``:
+      token recycling, ``model``: the draft model) each propose a tree no deeper than γ and the N best nodes
+      are verified; drafters ``recycle``/``lookup+recycle``/``lookup+recycle+model`` also run as a chain (each
+      source's top path, the first one at least ``lookup_min`` deep, as the hybrids do);
+    - ``tree_{lookup,recycle,model}_{depth,width}``: 1..64, each source's depth and branching (its top-k); the
+      recycling table keeps ``tree_recycle_width`` successors per token.
 
     A value set where it has no effect (a skip set or ``recheck`` in mode ``sd``, ``draft_confidence`` with prompt
     lookup, ...) is refused: each field's metadata says where it applies (:func:`applies`, :func:`scope`).
@@ -193,8 +210,50 @@ class DecodeConfig:
         metadata=scope(
             ("--lookup-min",),
             SPECULATIVE,
-            tuple(HYBRIDS),
-            why="the shortest lookup proposal a hybrid drafter uses",
+            tuple(HYBRIDS) + RECYCLE_DRAFTERS,
+            why="the shortest lookup proposal a hybrid or recycling drafter uses",
+        ),
+    )
+    tree_nodes: int = field(
+        default=1,
+        metadata=scope(
+            ("--tree-nodes",), ("sd",), why="the full target verifies token trees in mode sd", idle=(0,)
+        ),
+    )
+    tree_lookup_depth: int = field(
+        default=8,
+        metadata=scope(
+            ("--tree-lookup-depth",), ("sd",), LOOKUP_DRAFTERS, why="the lookup source of a token tree"
+        ),
+    )
+    tree_lookup_width: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-lookup-width",), ("sd",), LOOKUP_DRAFTERS, why="the lookup source of a token tree"
+        ),
+    )
+    tree_recycle_depth: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-recycle-depth",), ("sd",), RECYCLE_DRAFTERS, why="the recycle source of a token tree"
+        ),
+    )
+    tree_recycle_width: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-recycle-width",), ("sd",), RECYCLE_DRAFTERS, why="the recycle source of a token tree"
+        ),
+    )
+    tree_model_depth: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-model-depth",), ("sd",), TREE_MODEL_DRAFTERS, why="the model source of a token tree"
+        ),
+    )
+    tree_model_width: int = field(
+        default=4,
+        metadata=scope(
+            ("--tree-model-width",), ("sd",), TREE_MODEL_DRAFTERS, why="the model source of a token tree"
         ),
     )
 
@@ -250,7 +309,52 @@ class DecodeConfig:
             f"lookup_min (--lookup-min) must be from 1 to {GAMMA_MAX} (got {self.lookup_min}); shorter "
             "prompt-lookup proposals let the model drafter draft instead, e.g. 2",
         )
+        self._check_tree()
         check_applicable(self.mode, self.drafter, self.set_fields())
+
+    def _check_tree(self) -> None:
+        """The tree fields, and the combinations the engine does not run (refused before any model loads)."""
+        n = self.tree_nodes
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= TREE_NODES_MAX:
+            raise UserError(
+                f"tree_nodes (--tree-nodes) must be a whole number from 0 to {TREE_NODES_MAX} (got {n!r}); "
+                "it is the token tree's node budget, 0 or 1 a chain"
+            )
+        object.__setattr__(self, "tree_nodes", int(n))
+        for name in TREE_SOURCE_FIELDS:
+            flag = "--" + name.replace("_", "-")
+            _whole_up_to_gamma_max(
+                self,
+                name,
+                f"{name} ({flag}) must be a whole number from 1 to {GAMMA_MAX} (got {getattr(self, name)!r})",
+                f"{name} ({flag}) must be from 1 to {GAMMA_MAX} (got {getattr(self, name)})",
+            )
+        if self.mode == "ar":
+            return
+        shaped = [f for f in TREE_SOURCE_FIELDS if f in self.set_fields()]
+        if shaped and not self.is_tree:
+            raise UserError(
+                f"{', '.join(label(f) for f in shaped)} shape a token tree, and this is a chain; "
+                "set --tree-nodes above 1 (or a recycling drafter), or drop them"
+            )
+        if not self.is_tree:
+            return
+        if self.mode == "viasd":
+            raise UserError(
+                "mode viasd verifies chains only (the slim verifier does not score token trees or recycled drafts); "
+                "use --mode sd with --tree-nodes, or --tree-nodes 1 and a chain drafter for VIA-SD"
+            )
+        if self.model_drafter == "self":
+            raise UserError(
+                f"drafter '{self.drafter}' does not build token trees (the self-draft shares the target's cache); "
+                "use --tree-nodes 1, or a tree drafter: lookup, recycle, lookup+recycle, model, lookup+model, "
+                "lookup+recycle+model"
+            )
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether rounds run over a token tree (``tree_nodes`` > 1, or a recycling drafter, even as a chain)."""
+        return self.tree_nodes > 1 or self.drafter in RECYCLE_DRAFTERS
 
     def set_fields(self) -> list[str]:
         """The fields whose value is not their default (nor another value that means unset)."""
@@ -301,8 +405,8 @@ class DecodeConfig:
 
     def to_profile(self) -> dict[str, Any]:
         """The decoding fields of a profile (``mode``, ``gamma``, ``drafter``, ``routing``, ``thresholds``,
-        ``recheck``, ``draft_confidence``, ``lookup_min`` and ``draft.kind``/skip set); the exporter adds models and
-        metrics.
+        ``recheck``, ``draft_confidence``, ``lookup_min``, ``tree`` and ``draft.kind``/skip set); the exporter adds
+        models and metrics.
         ``draft.name``/``fingerprint`` are the draft model's and are not part of the configuration."""
         draft: dict[str, Any] = {"kind": self.drafter}
         if self.model_drafter == "self" or (self.model_drafter == "model" and not self.draft_skip.is_empty):
@@ -317,13 +421,31 @@ class DecodeConfig:
             "recheck": self.recheck,
             "draft_confidence": self.draft_confidence,
             "lookup_min": self.lookup_min,
+            "tree": {
+                "nodes": self.tree_nodes,
+                **{
+                    source: {
+                        "depth": getattr(self, f"tree_{source}_depth"),
+                        "width": getattr(self, f"tree_{source}_width"),
+                    }
+                    for source in TREE_SOURCES
+                },
+            },
         }
 
     @classmethod
     def from_profile(cls, profile: dict[str, Any]) -> DecodeConfig:
         """The configuration a (schema-valid) profile pins. A profile without ``mode`` (written before it
-        existed) is VIA-SD; without ``recheck``/``draft_confidence``, they are off; without ``lookup_min``, 1."""
+        existed) is VIA-SD; without ``recheck``/``draft_confidence``, they are off; without ``lookup_min``, 1;
+        without ``tree`` (or any of its fields), a chain and the defaults."""
         draft, thresholds, routing = profile["draft"], profile["thresholds"], profile["routing"]
+        tree = profile.get("tree", {})
+        sources = {
+            f"tree_{source}_{what}": tree[source][what]
+            for source in TREE_SOURCES
+            for what in ("depth", "width")
+            if what in tree.get(source, {})
+        }
         return cls(
             mode=profile.get("mode", "viasd"),
             gamma=profile["gamma"],
@@ -336,6 +458,8 @@ class DecodeConfig:
             recheck=profile.get("recheck", False),
             draft_confidence=profile.get("draft_confidence", 0.0),
             lookup_min=profile.get("lookup_min", 1),
+            tree_nodes=tree.get("nodes", 1),
+            **sources,
         )
 
     # ------------------------------------------------------------------------------------------- record

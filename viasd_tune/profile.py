@@ -148,11 +148,12 @@ def _check_semantics(profile: dict[str, Any], origin: str) -> None:
 
     draft = profile["draft"]
     for key in ("skip_attn", "skip_mlp"):
-        if key in draft and draft["kind"] == "lookup":
+        if key in draft and model_drafter(draft["kind"]) is None:
             raise _fail(
                 origin,
                 f"$.draft.{key}",
-                "prompt lookup runs no model, so it skips no layers; remove it or set draft.kind to 'self' or 'model'",
+                f"drafter '{draft['kind']}' runs no model, so it skips no layers; remove it or set draft.kind to "
+                "'self' or 'model'",
             )
 
     # The self-draft skips the target's layers; a skip set on a separate draft model indexes the draft's.

@@ -19,7 +19,7 @@ import functools
 import re
 import threading
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -234,6 +234,29 @@ class KVExtents:
             self.committed = end
         return start
 
+    def begin_tree(self, end: int, nodes: int, fed: int = 0) -> int:
+        """A full pass feeds the sequence up to ``end`` and, behind it, token-tree nodes ``fed … nodes - 1``
+        (nodes ``[0, fed)`` are cached there already, from a drafter's earlier level, when nothing is pending):
+        return the cache position it starts writing at. It commits ``end``; the nodes' entries stay beyond
+        ``committed`` until :meth:`keep_path` or a rollback drops them."""
+        if end > self.committed:
+            assert fed == 0, "tree nodes are cached behind an uncommitted sequence"
+            start = self.committed
+        else:
+            start = end + fed
+        assert end + nodes > start, "nothing new to feed"
+        for i in self.running(None):
+            self.lengths[i] = end + nodes
+        self.committed = end
+        return start
+
+    def keep_path(self, tail: int, path: Sequence[int]) -> None:
+        """After a tree pass: of the ``tail`` node entries behind ``committed``, the ``path``'s become the next
+        committed ones and the rest are dropped."""
+        for i in self.running(None):
+            self.lengths[i] = min(self.lengths[i], self.committed + len(path))
+        self.committed += len(path)
+
     def discard(self, skip: SkipSet) -> None:
         """Drop the speculative entries of the layers ``skip`` runs (a self-draft cleans up after drafting)."""
         for i in self.running(skip):
@@ -285,6 +308,38 @@ class SharedKVCache(DynamicCache):
             self._crop_layer(i, start)
         self._ref = self._refs.get(skip) or self._refs.setdefault(skip, self._reference_layers(running))
         return start
+
+    def begin_tree(self, end: int, nodes: int, fed: int = 0) -> int:
+        """Prepare a full pass over a token tree below the sequence up to ``end`` (:meth:`KVExtents.begin_tree`)."""
+        start = self.extents.begin_tree(end, nodes, fed)
+        running = self.running(None)
+        if not fed:
+            for i in running:
+                self._crop_layer(i, start)
+        self._ref = self._refs.get(None) or self._refs.setdefault(None, self._reference_layers(running))
+        return start
+
+    def keep_path(self, tail: int, path: Sequence[int]) -> None:
+        """After a tree pass, in every layer the full pass runs, whose last ``tail`` entries are tree nodes in
+        node order: move the entries of ``path`` (root to node, ascending) right behind the committed ones (an
+        index copy) and drop the rest (:meth:`KVExtents.keep_path`)."""
+        m, drop = len(path), tail - len(path)
+        moved = list(path) != list(range(m))
+        for i in self.running(None):
+            lay = self.layers[i]
+            if not tail or not lay.is_initialized:
+                continue
+            length = lay.keys.shape[-2]
+            if moved:
+                idx = torch.tensor(path, device=lay.keys.device) + (length - tail)
+                for name in ("keys", "values"):
+                    t = getattr(lay, name)
+                    t[..., length - tail : length - tail + m, :] = t.index_select(-2, idx)
+            if drop:
+                lay.keys, lay.values = lay.keys[..., : length - drop, :], lay.values[..., : length - drop, :]
+                if lay.is_sliding:
+                    lay.cumulative_length -= drop
+        self.extents.keep_path(tail, path)
 
     def discard(self, skip: SkipSet) -> None:
         """Drop the speculative entries of the layers ``skip`` runs (a self-draft cleans up after drafting)."""

@@ -45,6 +45,14 @@ def add_bench_command(sub, add_model_args: Callable, default_model: str | None =
         help="our sd stops drafting after a pick below this probability, γ stays the cap (0: off; HF uses 0.4)",
     )
     b.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run sd-tree: our lossless SD over a token tree of up to N draft nodes (0..64), depth ≤ γ, from prompt "
+        "lookup and token recycling (+ the draft model with --draft); sd-tree named in --methods alone: 16",
+    )
+    b.add_argument(
         "--methods",
         help=f"comma-separated subset of {', '.join(FIXED_METHODS)}, viasd (all profiles), viasd:<name>, "
         "viasd+recheck (all profiles with recheck on) or viasd+recheck:<name>; "

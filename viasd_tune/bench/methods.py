@@ -27,12 +27,14 @@ BASELINE = "hf"
 HF_ASSISTED_DEFAULT = ("hf-assisted", "hf-assisted-default")  # run by default when there is a draft model
 HF_ASSISTED_OPT_IN = ("hf-assisted-conf", "hf-assisted-heuristic")  # only when --methods names them
 HF_ASSISTED = (*HF_ASSISTED_DEFAULT, *HF_ASSISTED_OPT_IN)
-FIXED_METHODS = (BASELINE, "ar", *HF_ASSISTED, "hf-lookup", "sd")
+TREE_METHOD = "sd-tree"  # our SD over a token tree (issue 33): by default only when --tree-nodes is given
+FIXED_METHODS = (BASELINE, "ar", *HF_ASSISTED, "hf-lookup", "sd", TREE_METHOD)
 VIASD_PREFIX = "viasd:"
 RECHECK_PREFIX = "viasd+recheck:"  # the same profile with recheck on: lossless VIA-SD beside the lossy one
 ROUTE_SEP = "#"  # viasd:<profile>#<configuration>: one configuration of a routed profile, served alone
 LOOKUP_NGRAM = 3  # our LookupDrafter's longest n-gram; hf-lookup gets the same
 DEFAULT_GAMMA = 5
+DEFAULT_TREE_NODES = 16  # sd-tree named in --methods without --tree-nodes
 
 # ------------------------------------------------------------------------------------------------ profiles
 
@@ -99,9 +101,11 @@ def plan_methods(
     has_draft: bool,
     profile_names: list[str],
     routes: dict[str, list[str]] | None = None,
+    tree: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """Which methods run (``hf`` first) and which default ones are skipped, with the reason. ``routes``: a routed
-    profile's configuration names, each benched beside the profile as ``viasd:<profile>#<configuration>``."""
+    profile's configuration names, each benched beside the profile as ``viasd:<profile>#<configuration>``.
+    ``tree`` (--tree-nodes given): ``sd-tree`` runs by default, after ``sd``."""
     routes = routes or {}
     viasd = [
         m
@@ -118,6 +122,8 @@ def plan_methods(
             names += ["hf-lookup", "sd"]
             for m in HF_ASSISTED_DEFAULT:
                 skipped[m] = "no --draft: HF assisted generation needs a draft model (hf-lookup runs instead)"
+        if tree:
+            names.append(TREE_METHOD)
         return names + viasd, skipped
     names = []
     for m in requested:
@@ -197,9 +203,10 @@ def build_methods(
     gamma: int,
     eos: set[int],
     draft_confidence: float = 0.0,
+    tree_nodes: int | None = None,
 ) -> dict[str, Method]:
     """Decoders and HF arguments for every method, sharing the already-loaded models. ``draft_confidence`` is
-    our ``sd``'s (0: always γ drafts)."""
+    our ``sd``'s (0: always γ drafts); ``tree_nodes`` is ``sd-tree``'s node budget (None: 16)."""
     from .. import runtime
     from ..config import DecodeConfig
     from ..decoding.decoder import Decoder
@@ -234,6 +241,8 @@ def build_methods(
                 dec,
                 settings={"gamma": gamma, "drafter": drafter, "draft_confidence": draft_confidence},
             )
+        elif name == TREE_METHOD:
+            out[name] = tree_method(target, draft, gamma, eos, tree_nodes)
         elif name == "hf-lookup":
             kw = {"prompt_lookup_num_tokens": gamma, "max_matching_ngram_size": LOOKUP_NGRAM}
             out[name] = Method(
@@ -291,10 +300,31 @@ def build_methods(
                     "lookup_min": c.lookup_min,
                     "recheck": c.recheck,
                     "draft_confidence": c.draft_confidence,
+                    **({"tree": c.to_profile()["tree"]} if c.is_tree else {}),
                     "profile_dtype": b.data["dtype"],
                 },
             )
     return out
+
+
+def tree_method(
+    target: models.LoadedModel, draft: models.LoadedModel | None, gamma: int, eos: set[int], nodes: int | None
+) -> Method:
+    """``sd-tree``: lossless SD over a token tree of up to ``nodes`` draft nodes, no deeper than γ, from prompt
+    lookup and token recycling (and the draft model, when there is one), each source at its default shape."""
+    from ..config import DecodeConfig
+    from ..decoding.decoder import Decoder
+
+    nodes = DEFAULT_TREE_NODES if nodes is None else nodes
+    drafter = "lookup+recycle+model" if draft is not None else "lookup+recycle"
+    cfg = DecodeConfig(mode="sd", gamma=gamma, drafter=drafter, tree_nodes=nodes)
+    dec = Decoder(target.model, target.tokenizer, cfg, draft=draft.model if draft else None, eos=eos)
+    return Method(
+        TREE_METHOD,
+        f"ours, lossless SD over a token tree of up to {nodes} nodes, depth ≤ γ={gamma}, drafter {drafter}",
+        dec,
+        settings={"gamma": gamma, "drafter": drafter, "tree": cfg.to_profile()["tree"]},
+    )
 
 
 # ------------------------------------------------------------------------------------------------ running

@@ -149,7 +149,9 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
         if not s.model:
             raise UserError("no target model: pass --model (or a --profile, whose target is used)")
     routes = {b.name: b.configurations for b in profiles}
-    names, skipped = bm.plan_methods(s.methods, bool(s.draft), [b.name for b in profiles], routes)
+    names, skipped = bm.plan_methods(
+        s.methods, bool(s.draft), [b.name for b in profiles], routes, tree=s.tree_nodes is not None
+    )
     selection = select_prompts(s, profiles)
     items = selection.items
 
@@ -162,7 +164,7 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
     load_s = time.perf_counter() - t0
     gamma, gamma_source = bm.resolve_gamma(s.gamma, profiles)
     eos = models.eos_ids(target.model, target.tokenizer)
-    methods = bm.build_methods(names, target, draft, profiles, gamma, eos, s.draft_confidence)
+    methods = bm.build_methods(names, target, draft, profiles, gamma, eos, s.draft_confidence, s.tree_nodes)
     encoded = prompts.encode_all(
         target.tokenizer,
         items,
@@ -241,6 +243,7 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
             "gamma": gamma,
             "gamma_source": gamma_source,
             "draft_confidence": s.draft_confidence,
+            "tree_nodes": s.tree_nodes,
             "eos_ids": sorted(eos),
             "methods": names,
             "skipped_methods": skipped,

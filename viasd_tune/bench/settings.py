@@ -28,6 +28,7 @@ class BenchSettings:
     repeats: int = 3
     gamma: int | None = None
     draft_confidence: float = 0.0  # our sd's: stop drafting below this top-1 probability (0: off)
+    tree_nodes: int | None = None  # sd-tree's node budget; given, sd-tree runs by default
     methods: list[str] | None = None
     chat: str = "auto"
     seed: int = 0
@@ -72,12 +73,14 @@ class BenchSettings:
                 "which --methods leaves out; drop it or add sd to --methods"
             )
         prompts.check_source(self.data, self.data_field)
-        reads_gamma = ("sd", "hf-lookup", "hf-assisted", "hf-assisted-conf", "hf-assisted-heuristic")
+        reads_gamma = ("sd", "sd-tree", "hf-lookup", "hf-assisted", "hf-assisted-conf", "hf-assisted-heuristic")
         if self.gamma is not None and self.methods is not None and not set(reads_gamma) & set(self.methods):
             raise UserError(
                 f"--gamma {self.gamma} does nothing here: it applies to methods {', '.join(reads_gamma)}, which "
                 "--methods leaves out; drop it or add one of them"
             )
+        if self.tree_nodes is not None:  # the tree's node budget: its one bound and message
+            DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=self.tree_nodes)
         if self.chat not in prompts.CHAT_MODES:
             raise UserError(f"--chat must be one of {', '.join(prompts.CHAT_MODES)} (got {self.chat!r})")
         out = Path(self.out)
@@ -107,6 +110,8 @@ def command_line(s: BenchSettings) -> str:
         parts += ["--gamma", str(s.gamma)]
     if s.draft_confidence:
         parts += ["--draft-confidence", f"{s.draft_confidence:g}"]
+    if s.tree_nodes is not None:
+        parts += ["--tree-nodes", str(s.tree_nodes)]
     if s.methods:
         parts += ["--methods", ",".join(s.methods)]
     parts += ["--chat", s.chat, "--seed", str(s.seed), "--dtype", s.dtype, "--device", s.device]

@@ -16,7 +16,7 @@ from ..fsutil import atomic_write_text
 from ..page import facts_table, figure_html, page_html
 from ..search.records import StudyRecord, TrialRecord
 from . import figures, layer_maps, study_plots
-from .points import Point, decoded, esc, finite, num, study_min_fidelity, trial_points
+from .points import Point, decoded, esc, finite, num, study_min_fidelity, tree_text, trial_points
 
 log = logging.getLogger(__name__)
 FIG_ID_PREFIX = "viasd-fig-"
@@ -105,6 +105,7 @@ def _header_rows(
                         f"skip attn {c.get('skip_attn')} mlp {c.get('skip_mlp')}; τ_accept "
                         f"{num(c.get('tau_accept'), '.4g')}, τ_escalate {num(c.get('tau_escalate'), '.4g')}, "
                         f"kl {c.get('kl')}, γ {c.get('gamma')}, drafter {c.get('drafter')}"
+                        + (f"; {tree_text(c)}" if tree_text(c) else "")
                     ),
                 )
             )

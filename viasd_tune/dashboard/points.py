@@ -126,6 +126,20 @@ def shares_text(shares: Any) -> str:
     return " · ".join(f"{esc(k)} {v:.0%}" for k, v in shares.items() if finite(v)) or "-"
 
 
+def tree_text(c: dict[str, Any]) -> str | None:
+    """A configuration's token tree in one line (its node budget, each source's depth and width); ``None`` for
+    a chain of a chain drafter (and for a record from before trees existed)."""
+    nodes = c.get("tree_nodes") or 1
+    sources = [s for s in ("lookup", "recycle", "model") if s in str(c.get("drafter", "")).split("+")]
+    if nodes <= 1 and "recycle" not in sources:
+        return None
+    head = f"tree of {nodes} nodes" if nodes > 1 else "chain from token recycling"
+    shapes = [
+        f"{s} depth {c.get(f'tree_{s}_depth', '-')} width {c.get(f'tree_{s}_width', '-')}" for s in sources
+    ]
+    return " · ".join([head, *shapes])
+
+
 def hover(p: Point, min_fidelity: float | None) -> str:
     c, r = p.config, p.record
     status = "feasible" if p.feasible else "infeasible"
@@ -155,5 +169,8 @@ def hover(p: Point, min_fidelity: float | None) -> str:
             lines.append(
                 f"draft skip attn {layer_list(c.get('draft_skip_attn'))} mlp {layer_list(c.get('draft_skip_mlp'))}"
             )
+        tree = tree_text(c)
+        if tree:
+            lines.append(esc(tree))
     lines.append(f"tokens: {shares_text(r.tier_shares)}")
     return "<br>".join(lines)

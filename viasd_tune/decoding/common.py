@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..routing import KVExtents, SharedKVCache, SkipSet, skipping
+from . import tree as trees
 
 # Tier labels for each emitted token.
 DIRECT, SLIM, FULL = 0, 1, 2
@@ -56,6 +57,8 @@ class Stats:
     rechecked: int = 0  # settled tokens a full pass re-checked (recheck on)
     rollbacks: int = 0  # re-checks that found a token the target would not emit
     rolled_back_tokens: int = 0  # emitted tokens those rollbacks removed
+    tree_nodes_verified: int = 0  # tree rounds: draft nodes the target scored
+    tree_depth_accepted: int = 0  # tree rounds: accepted nodes (the accepted path's depth), summed
     draft_time_s: float = 0.0
     slim_time_s: float = 0.0
     full_time_s: float = 0.0
@@ -73,12 +76,18 @@ class Stats:
         """Tokens emitted per full-target forward: the acceptance figure the search maximises."""
         return self.new_tokens / self.full_calls if self.full_calls else float(self.new_tokens)
 
+    @property
+    def mean_accepted_depth(self) -> float:
+        """Tree rounds: accepted draft nodes per round (the target's own token after them not counted)."""
+        return self.tree_depth_accepted / self.rounds if self.rounds else 0.0
+
     def to_dict(self) -> dict:
         """Every count and time (all numbers), and ``routed_to`` when a routed profile served the request."""
         d = asdict(self)
         if d["routed_to"] is None:
             del d["routed_to"]
         d["mean_accepted_length"] = self.mean_accepted_length
+        d["mean_accepted_depth"] = self.mean_accepted_depth
         d["tokens_per_full_call"] = self.tokens_per_full_call
         d["tokens_per_s"] = self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
         return d
@@ -188,6 +197,38 @@ class LM:
         (its whole skip set; None: the full pass) that feeds ``ids[start:]``, and the seconds it took."""
         raise NotImplementedError
 
+    def forward_tree(
+        self, ids: torch.Tensor, tree: trees.Tree, fed: int = 0, tier: str | None = None
+    ) -> torch.Tensor:
+        """One full pass that scores a token tree below the sequence ``ids`` (1-D, the whole sequence).
+
+        With tokens pending (``ids[committed:]``, at least the last one, and ``fed == 0``): feeds them and every
+        node; returns float logits ``[1 + n, V]``: row 0 after the sequence, row ``1 + i`` after node ``i``'s path.
+        The pending tokens become committed; the nodes' entries stay beyond ``committed`` until
+        :meth:`keep_path` or a rollback. With nothing pending (a drafter growing its tree level by level): nodes
+        ``[0, fed)`` are already cached behind the committed sequence; feeds nodes ``fed…`` and returns their
+        rows ``[n - fed, V]``.
+        """
+        base = self.committed
+        start = self.cache.begin_tree(ids.numel(), tree.n, fed)
+        logits, seconds = self._tree_logits(ids, tree, base, fed)
+        self.stats.count(tier or self.tier, ids.numel() + tree.n - start, seconds)
+        return logits
+
+    def _tree_logits(
+        self, ids: torch.Tensor, tree: trees.Tree, base: int, fed: int
+    ) -> tuple[torch.Tensor, float]:
+        """The float logits of a tree pass (see :meth:`forward_tree`) over a cache that held ``base`` committed
+        tokens before it (and, with ``fed``, that many nodes behind them), and the seconds it took."""
+        raise NotImplementedError
+
+    def keep_path(self, cached: int, path: list[int]) -> None:
+        """After :meth:`forward_tree`: of the ``cached`` tree nodes behind the committed entries, keep those on
+        ``path`` (root to node, ascending) as the sequence's next entries and drop the others; they become
+        committed. Gathering them into place is cheaper than rolling back and re-feeding the path
+        (benchmarks/tree_compaction.py)."""
+        self.cache.keep_path(cached, path)
+
     def discard(self, skip: SkipSet) -> None:
         """Drop what a pass under ``skip`` wrote beyond the committed entries."""
         self.cache.discard(self.skip | skip)
@@ -231,6 +272,29 @@ class CachedLM(LM):
             torch.cuda.synchronize()
         return out.logits[0].float(), self.clock() - t0
 
+    def _tree_logits(
+        self, ids: torch.Tensor, tree: trees.Tree, base: int, fed: int
+    ) -> tuple[torch.Tensor, float]:
+        t0 = self.clock()
+        pending = ids.numel() - base
+        new = torch.cat([ids[base:], torch.tensor(tree.tokens[fed:], dtype=ids.dtype, device=ids.device)])
+        queries = pending + tree.n - fed
+        config, dtype = self.model.config, self.model.dtype
+        mask = trees.attention_mask(config, pending, tree, base, queries, dtype, ids.device)
+        pos = trees.positions(pending, tree, base, fed, ids.device)
+        with skipping(self.model, self.skip), trees.widened(self.cache, fed):
+            out = self.model(
+                input_ids=new.unsqueeze(0),
+                position_ids=pos,
+                attention_mask=mask,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=queries - pending + int(pending > 0),
+            )
+        if self.sync:
+            torch.cuda.synchronize()
+        return out.logits[0].float(), self.clock() - t0
+
 
 def probs_from_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Temperature + top-p distribution over the vocabulary (rows of ``logits``)."""
@@ -252,13 +316,17 @@ def pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) 
     return torch.multinomial(probs_from_logits(logits, sampling), 1, generator=gen).squeeze(-1)
 
 
-def residual_sample(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-    """Sample from norm(max(p − q, 0)): the correction that makes rejection sampling exact."""
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p − q, 0)): what is left of p once a proposal from q was rejected."""
     r = (p - q).clamp_min(0.0)
     total = r.sum(-1, keepdim=True)
     # p == q leaves nothing to correct with; then p itself is the right distribution.
-    r = torch.where(total > 0, r / total.clamp_min(1e-30), p)
-    return torch.multinomial(r, 1, generator=gen).squeeze(-1)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+
+def residual_sample(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """Sample from norm(max(p − q, 0)): the correction that makes rejection sampling exact."""
+    return torch.multinomial(residual(p, q), 1, generator=gen).squeeze(-1)
 
 
 def accept_mask(

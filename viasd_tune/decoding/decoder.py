@@ -14,10 +14,12 @@ from ..config import DRAFTERS, KL_KINDS, MODES, DecodeConfig, check_generation
 from ..errors import UserError
 from ..models import context_length
 from ..routing import install_skipping, num_layers
-from . import ar, sd, viasd
+from . import ar, sd, tree_sd, viasd
 from .common import LM, CachedLM, Result, RoundHook, Sampling, Sequence, Stats
 from .drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .streaming import StreamEnd, TextStream, check_stop
+from .tree import check_attention
+from .tree_drafters import CombinedDrafter, LookupSource, ModelSource, RecycleSource
 
 __all__ = [
     "DRAFTERS",
@@ -63,6 +65,10 @@ class Decoder:
         self.config = config.validate(*_layer_counts(config, target, draft))
         if config.mode != "ar" and not (config.skip.is_empty and config.draft_skip.is_empty):
             install_skipping(target)
+        if config.mode != "ar" and config.is_tree:
+            for model in (target, draft if config.model_drafter == "model" else None):
+                if model is not None:
+                    check_attention(model)
         self.eos = eos if eos is not None else eos_ids(target, tokenizer)
 
     def encode(self, prompt, chat: str = "auto") -> torch.Tensor:
@@ -113,6 +119,26 @@ class Decoder:
         if cfg.drafter == cfg.model_drafter:
             return model
         return HybridDrafter(LookupDrafter(stats), model, cfg.lookup_min)
+
+    def _tree_drafter(self, sampling: Sampling, gen, stats: Stats, sync: bool) -> CombinedDrafter:
+        """The drafter's sources (lookup, recycling, the draft model), merged under the node budget; as a chain
+        (``tree_nodes`` ≤ 1) each source proposes its top path and the first one deep enough is the round's."""
+        cfg = self.config
+        chain = cfg.tree_nodes <= 1
+        parts = cfg.drafter.split("+")
+        sources: list = []
+        if "lookup" in parts:
+            sources.append(LookupSource(cfg.tree_lookup_depth, 1 if chain else cfg.tree_lookup_width))
+        if "recycle" in parts:
+            vocab = self.target.get_output_embeddings().weight.shape[0]
+            width = 1 if chain else cfg.tree_recycle_width
+            sources.append(RecycleSource(vocab, cfg.tree_recycle_depth, width))
+        if "model" in parts:
+            lm = self.lm(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
+            width = 1 if chain else cfg.tree_model_width
+            sources.append(ModelSource(lm, cfg.tree_model_depth, width, sampling, gen, cfg.draft_confidence))
+        budget = cfg.gamma if chain else cfg.tree_nodes
+        return CombinedDrafter(sources, budget, stats, cfg.lookup_min, chain=chain)
 
     @torch.inference_mode()
     def generate(
@@ -194,6 +220,11 @@ class Decoder:
         seq = Sequence(ids, capacity=len(ids) + max_new_tokens + cfg.gamma + 1)
         if cfg.mode == "ar":
             result = ar.generate(full, seq, max_new_tokens, self.eos, sampling, gen, on_round)
+        elif cfg.is_tree:
+            drafter = self._tree_drafter(sampling, gen, stats, sync)
+            result = tree_sd.generate(
+                full, drafter, seq, max_new_tokens, self.eos, cfg.gamma, sampling, gen, on_round
+            )
         else:
             drafter = self._drafter(full, sampling, gen, stats, sync)
             if (cfg.mode == "viasd" or cfg.model_drafter == "self") and len(ids) > 1:

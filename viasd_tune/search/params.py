@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import optuna
 
-from ..config import HYBRIDS, DecodeConfig, model_drafter
+from ..config import HYBRIDS, RECYCLE_DRAFTERS, TREE_SOURCES, DecodeConfig, model_drafter
 from ..errors import UserError
 from ..routing import SkipSet
 from .records import TrialRecord
@@ -39,6 +39,12 @@ TAU_ESCALATE = "tau_escalate"
 TAU_ACCEPT_RATIO = "tau_accept_ratio"
 SKIP_FRAC = "skip_frac"  # budget encoding: the share of eligible sub-layers skipped ...
 RECHECK = "recheck"
+TREE_NODES = "tree_nodes"  # token trees (issue 33): the node budget, and per source ...
+
+
+def tree_shape(source: str, what: str) -> str:
+    """... its depth or width (the DecodeConfig field's name: ``tree_lookup_depth`` …)."""
+    return f"tree_{source}_{what}"
 
 
 def skip_score(layer: int, kind: str) -> str:
@@ -138,8 +144,10 @@ def _decode(
     if model_drafter(drafter) == "model" and fraction is not None and draft_layers is not None:
         frac = ask.number(DRAFT_MODEL_SKIP_FRAC, fraction, reference=fraction.low)  # the draft model as it is
         draft_skip = _draft_model_skip(space, frac, draft_layers)
-    confidence = 0.0 if drafter == "lookup" else _confidence(ask, space)
-    plain = ask.reference_point and ask.choice(ESCALATE_ALL, (False, True), reference=True)
+    confidence = 0.0 if model_drafter(drafter) is None else _confidence(ask, space)  # lookup, recycling: none
+    tree = _tree(ask, space, drafter)
+    is_tree = tree.get(TREE_NODES, 1) > 1 or drafter in RECYCLE_DRAFTERS  # VIA-SD verifies chains only
+    plain = is_tree or (ask.reference_point and ask.choice(ESCALATE_ALL, (False, True), reference=True))
     if plain or not space.slim_tier:
         # Plain SD (what VIA-SD with tau_escalate 0 is, token for token), run and exported as mode sd: the
         # engine's SD round, and a profile that says what it is (no kl, thresholds or skip set: SD has none).
@@ -150,6 +158,7 @@ def _decode(
             draft_skip=draft_skip,
             draft_confidence=confidence,
             lookup_min=lookup_min,
+            **tree,
         )
     kl = ask.choice(KL, space.kl, reference=space.kl[0])
     tau_escalate = ask.number(TAU_ESCALATE, space.tau_escalate, reference=space.tau_escalate.mid())
@@ -171,6 +180,32 @@ def _decode(
         draft_confidence=confidence,
         lookup_min=lookup_min,
     )
+
+
+def _tree(ask: _Ask, space: SearchSpace, drafter: str) -> dict[str, int]:
+    """The token tree's DecodeConfig fields (none for a space without ``tree`` or for the self-draft, whose
+    rounds are chains): the node budget, then the depth and width of each source the drafter has. A chain
+    (budget 1) of a recycling drafter still takes each source's depth; widths only matter to a tree."""
+    spec = space.tree
+    if spec is None or model_drafter(drafter) == "self":
+        return {}
+    # Reference points: a chain drafter's stays today's chain; a recycling drafter's is the first tree listed.
+    tree = next((n for n in spec.nodes if n > 1), spec.nodes[0])
+    reference = 1 if 1 in spec.nodes and drafter not in RECYCLE_DRAFTERS else tree
+    nodes = spec.nodes[0] if len(spec.nodes) == 1 else ask.choice(TREE_NODES, spec.nodes, reference=reference)
+    out = {TREE_NODES: nodes}
+    if nodes <= 1 and drafter not in RECYCLE_DRAFTERS:
+        return out  # a plain chain: the sources' shapes have no effect
+    for source in (s for s in TREE_SOURCES if s in drafter.split("+")):
+        for what in ("depth", "width") if nodes > 1 else ("depth",):
+            bounds = getattr(spec, f"{source}_{what}")
+            if bounds is not None:
+                name = tree_shape(source, what)
+                default = min(max(getattr(DecodeConfig, name), bounds[0]), bounds[1])
+                out[name] = (
+                    bounds[0] if bounds[0] == bounds[1] else ask.whole(name, *bounds, reference=default)
+                )
+    return out
 
 
 def _confidence(ask: _Ask, space: SearchSpace) -> float:
@@ -228,13 +263,15 @@ def known_points(space: SearchSpace, num_layers: int, drafters: list[str]) -> li
         _decode(ask, space, num_layers, drafters, draft_layers=0)
         return ask.params
 
-    no_skip = point({ESCALATE_ALL: False})
+    # VIA-SD verifies chains: its reference takes the first chain drafter, as a chain.
+    chains = [d for d in available if d not in RECYCLE_DRAFTERS]
+    tree = space.tree
+    via = space.slim_tier and bool(chains) and (tree is None or 1 in tree.nodes)
+    no_skip = point({ESCALATE_ALL: False, DRAFTER: chains[0], TREE_NODES: 1}) if via else None
     plains = [point({DRAFTER: d}) for d in available]
     assisted = point(_assisted_like(space)) if "model" in available else None
     return (
-        ([no_skip] if space.slim_tier else [])
-        + plains
-        + ([assisted] if assisted and assisted not in plains else [])
+        ([no_skip] if no_skip else []) + plains + ([assisted] if assisted and assisted not in plains else [])
     )
 
 
@@ -248,7 +285,8 @@ def _assisted_like(space: SearchSpace) -> dict[str, Any]:
         confidence = min(max(HF_CONFIDENCE, choices.low), choices.high)
     else:
         confidence = min(choices, key=lambda c: abs(c - HF_CONFIDENCE))
-    return {DRAFTER: "model", GAMMA: max(space.gamma), DRAFT_CONFIDENCE: confidence}
+    chain = {TREE_NODES: 1} if space.tree is not None and 1 in space.tree.nodes else {}  # HF drafts chains
+    return {DRAFTER: "model", GAMMA: max(space.gamma), DRAFT_CONFIDENCE: confidence, **chain}
 
 
 def enqueue_known_points(
@@ -275,13 +313,16 @@ def enqueue(study: optuna.Study, params: dict[str, Any]) -> None:
 def skip_params(space: SearchSpace, num_layers: int, skip: SkipSet) -> dict[str, Any]:
     """The params :func:`suggest` decodes into exactly ``skip`` (an eligible set the space's budget allows),
     the other params left to the sampler; budget encoding: the matching fraction, and scores that rank the
-    chosen sub-layers first."""
+    chosen sub-layers first. A chain where the space has trees: VIA-SD verifies chains, so a tree would leave the
+    skip set unused."""
+    tree = space.tree
+    chain = {TREE_NODES: 1} if tree is not None and len(tree.nodes) > 1 and 1 in tree.nodes else {}
     slots = _slots(space, _eligible_layers(space, num_layers))
     chosen = [(i, k) for i, k in slots if i in getattr(skip, k)]
     if len(chosen) != len(skip.attn) + len(skip.mlp):
         raise ValueError(f"skip set {skip.to_dict()} names sub-layers the space {space.source} may not skip")
     if space.skip.encoding == "per_sublayer":
-        return {skip_switch(i, k): (i, k) in chosen for i, k in slots}
+        return {**chain, **{skip_switch(i, k): (i, k) in chosen for i, k in slots}}
     assert space.skip.budget is not None
     frac = min(max(len(chosen) / len(slots), space.skip.budget.low), space.skip.budget.high)
     if round(frac * len(slots)) != len(chosen):
@@ -289,7 +330,7 @@ def skip_params(space: SearchSpace, num_layers: int, skip: SkipSet) -> dict[str,
     on = set(chosen)
     # The chosen sub-layers outscore the rest, so they are the round(frac * slots) ranked first.
     scores = {skip_score(i, k): 0.75 if (i, k) in on else 0.25 for i, k in slots}
-    return {SKIP_FRAC: frac, **scores}
+    return {**chain, SKIP_FRAC: frac, **scores}
 
 
 # ---------------------------------------------------------------- helpers

@@ -40,6 +40,7 @@ from torch import nn
 from ..config import DecodeConfig
 from ..decoding.common import LM, CachedLM, Result, Stats
 from ..decoding.decoder import Decoder
+from ..decoding.tree import Tree
 from ..routing import KVExtents, SkipSet, num_layers
 from .costmodel import CostModel
 
@@ -196,6 +197,33 @@ class ReplayCache:
             rows.append(row)
         return rows[: hi - lo]
 
+    @torch.inference_mode()
+    def node_rows(self, stream: Stream, i: int, seq: list[int], tree: Tree, nodes: range) -> torch.Tensor:
+        """Float full-pass rows ``[len(nodes), V]`` of ``stream`` after each node's path below ``seq`` (what one tree
+        forward computes for it). A miss runs the real tree forward once and records every node's row."""
+        keys = [(stream, tuple(seq + [tree.tokens[k] for k in tree.path(j)])) for j in nodes]
+        out = [self.memo.get(key) for key in keys]
+        if all(row is not None for row in out):
+            self.memo.hits += 1
+        else:
+            self.memo.misses += 1
+            computed = self._compute_tree(stream, i, seq, tree)
+            out = [computed[j] for j in nodes]
+        return torch.stack([row.float() for row in out])
+
+    def _compute_tree(self, stream: Stream, i: int, seq: list[int], tree: Tree) -> list[torch.Tensor]:
+        """Run the real tree forward below ``seq`` (a full pass of ``stream``), record the row after ``seq`` and
+        each node's, and return the nodes' rows, as recorded."""
+        lm = self._cursor(stream, i, seq, len(seq) - 1)
+        logits = lm.forward_tree(torch.tensor(seq, device=self.target.device), tree)
+        dtype, rows = self._dtype[stream.model], []
+        for j, row in enumerate(logits):
+            row = row.to(dtype).clone()
+            prefix = tuple(seq + [tree.tokens[k] for k in tree.path(j - 1)]) if j else tuple(seq)
+            self.memo.put((stream, prefix), row, _nbytes(row) + 8 * len(prefix))
+            rows.append(row)
+        return rows[1:]
+
     def _cursor(self, stream: Stream, i: int, seq: list[int], lo: int) -> CachedLM:
         """A real cache for ``stream`` holding a prefix of ``seq`` no longer than ``lo`` (and, for a skip pass,
         the full-pass entries of ``seq[:watermark]``): the stream's latest one rolled back where the prefixes
@@ -286,6 +314,17 @@ class RecordedLM(LM):
         stream = Stream(self.name, self.skip, whole, watermark)
         rows = self.replay.rows(stream, self.ref, ids.tolist(), end - n, end)
         return rows, self.replay.price(self.name, end - start, whole)
+
+    def _tree_logits(self, ids: torch.Tensor, tree: Tree, base: int, fed: int) -> tuple[torch.Tensor, float]:
+        # A tree pass is a full pass: each node's row depends on the token prefix its path spells, nothing else.
+        seq = ids.tolist()
+        stream = Stream(self.name, self.skip, self.skip, None)
+        rows = []
+        if len(seq) > base:  # tokens pending: the row after the sequence comes first
+            rows.append(self.replay.rows(stream, self.ref, seq, len(seq) - 1, len(seq)))
+        if tree.n > fed:
+            rows.append(self.replay.node_rows(stream, self.ref, seq, tree, range(fed, tree.n)))
+        return torch.cat(rows), self.replay.price(self.name, len(seq) - base + tree.n - fed, self.skip)
 
 
 @dataclass

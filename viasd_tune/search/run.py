@@ -66,7 +66,8 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
         draft = models.load(s.draft, s.dtype, s.device, s.trust_remote_code)
         models.check_same_tokenizer(target, draft)
     n_layers = num_layers(target.model)
-    drafters = ["self", "lookup", "lookup+self"] + (["model", "lookup+model"] if draft else [])
+    drafters = ["self", "lookup", "lookup+self", "recycle", "lookup+recycle"]
+    drafters += ["model", "lookup+model", "lookup+recycle+model"] if draft else []
     params.known_points(space, n_layers, drafters)  # the space fits this model and these drafters
 
     dev = target.model.device
@@ -84,7 +85,9 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
     params.enqueue_known_points(study, space, n_layers, drafters)
 
     refs = references(target.model, target.tokenizer, calib_ids, s.max_new_tokens, s.progress)
-    cost = costmodel.fit(target.model, draft.model if draft else None, refs[0].prompt_ids)
+    cost = costmodel.fit(
+        target.model, draft.model if draft else None, refs[0].prompt_ids, max_block=space.max_block
+    )
     cache = replay.ReplayCache(
         target.model,
         refs,

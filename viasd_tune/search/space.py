@@ -15,7 +15,16 @@ from typing import Any
 import jsonschema
 import yaml
 
-from ..config import DRAFTERS, GAMMA_MAX, KL_KINDS, applies, model_drafter, where_applies
+from ..config import (
+    DRAFTERS,
+    GAMMA_MAX,
+    KL_KINDS,
+    TREE_NODES_MAX,
+    TREE_SOURCES,
+    applies,
+    model_drafter,
+    where_applies,
+)
 from ..errors import UserError
 from ..profile import schema_problem
 
@@ -43,6 +52,16 @@ def _names_schema(choices: tuple[str, ...]) -> dict[str, Any]:
 _FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
 _CONFIDENCE = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}  # DecodeConfig.draft_confidence's range
 _LOOKUP_MIN = {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX}
+
+_WHOLE_RANGE = {  # a tree source's depth or width: whole numbers from low to high
+    "type": "object",
+    "required": ["low", "high"],
+    "additionalProperties": False,
+    "properties": {
+        "low": {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX},
+        "high": {"type": "integer", "minimum": 1, "maximum": GAMMA_MAX},
+    },
+}
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -111,6 +130,27 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {"low": _LOOKUP_MIN, "high": _LOOKUP_MIN},
         },
+        "tree": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["nodes"],
+            "properties": {
+                "nodes": {
+                    "type": "array",
+                    "minItems": 1,
+                    "uniqueItems": True,
+                    "items": {"type": "integer", "minimum": 1, "maximum": TREE_NODES_MAX},
+                },
+                **{
+                    source: {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"depth": _WHOLE_RANGE, "width": _WHOLE_RANGE},
+                    }
+                    for source in TREE_SOURCES
+                },
+            },
+        },
     },
     "if": {
         "required": ["drafter"],
@@ -123,6 +163,20 @@ _WHY_REQUIRED = {
     "budget": " (needed by skip.encoding: budget)",
     "self_draft": " (needed because drafter lists 'self' or 'lookup+self')",
 }
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Token trees to try (mode sd): node budgets (1: a chain), and each source's depth and width as whole
+    ranges ``(low, high)`` (None: the configuration's default, not searched)."""
+
+    nodes: tuple[int, ...]
+    lookup_depth: tuple[int, int] | None = None
+    lookup_width: tuple[int, int] | None = None
+    recycle_depth: tuple[int, int] | None = None
+    recycle_width: tuple[int, int] | None = None
+    model_depth: tuple[int, int] | None = None
+    model_width: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +222,13 @@ class SearchSpace:
     draft_model_skip_fraction: FloatRange | None = None  # a skip set for the separate draft model
     # The hybrid drafters' lookup_min as an integer range (low, high); None: 1, not searched.
     lookup_min: tuple[int, int] | None = None
+    tree: TreeSpec | None = None  # token trees for the tree drafters; None: chains only
+
+    @property
+    def max_block(self) -> int:
+        """The largest verify block a trial's round makes: γ drafts, or a token tree's nodes, and the pending token
+        (the cost model measures the target's block-cost curve up to it)."""
+        return max(max(self.gamma), max(self.tree.nodes) if self.tree else 0) + 1
 
     @property
     def slim_tier(self) -> bool:
@@ -324,6 +385,7 @@ def _parse(text: str, source: str) -> SearchSpace:
             raise UserError(
                 f"search space {source}: $.lookup_min: low {lookup_min[0]} > high {lookup_min[1]}; swap or fix them"
             )
+    tree = _tree(data["tree"], source) if "tree" in data else None
     space = SearchSpace(
         version=data["version"],
         skip=SkipSpec(
@@ -348,6 +410,7 @@ def _parse(text: str, source: str) -> SearchSpace:
             frange(draft_model["skip_fraction"], "$.draft_model.skip_fraction") if draft_model else None
         ),
         lookup_min=lookup_min,
+        tree=tree,
     )
     _check_applicable(space, data)
     return space
@@ -388,6 +451,19 @@ def _check_applicable(space: SearchSpace, data: dict[str, Any]) -> None:
                 f"search space {space.source}: $.{key} does nothing with drafter {list(space.drafter)}"
                 f"{'' if space.slim_tier else ' and no slim tier'}: {why}; remove it or list such a drafter"
             )
+
+
+def _tree(data: dict[str, Any], source: str) -> TreeSpec:
+    """The ``tree`` key (schema-valid) as a :class:`TreeSpec`."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for name in TREE_SOURCES:
+        for what, r in data.get(name, {}).items():
+            if r["low"] > r["high"]:
+                raise UserError(
+                    f"search space {source}: $.tree.{name}.{what}: low {r['low']} > high {r['high']}; swap or fix them"
+                )
+            ranges[f"{name}_{what}"] = (int(r["low"]), int(r["high"]))
+    return TreeSpec(nodes=tuple(int(n) for n in data["nodes"]), **ranges)
 
 
 def _one_line(text: str) -> str:
