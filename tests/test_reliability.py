@@ -211,13 +211,20 @@ def test_workers_share_a_study_and_survive_a_killed_one(backend, tiny_dirs, tmp_
         url = request.getfixturevalue("postgres_url")
     name, trials = f"dist-{os.getpid()}-{time.time_ns()}", 6
     argv = [*_search_argv(tiny_dirs, url, name, tmp_path / "out", trials), "--worker"]
-    (tmp_path / "hold-w0").touch()  # the victim's first trial stays in its held start until it is killed
-    procs = [_start(argv, tmp_path, f"w{i}", 1.0, tmp_path / f"hold-w{i}") for i in range(3)]
+    # Every worker's first trial stays in its held start until the victim is killed: a survivor that ran ahead
+    # (a loaded host starts the victim late) could otherwise finish the study within the grace period, before
+    # any trial start looks for stale ones, and leave the victim's trial RUNNING. After the kill the survivors
+    # run the 6 trials at 3 s each, so their third trial starts past the 5 s grace period.
+    for i in range(3):
+        (tmp_path / f"hold-w{i}").touch()
+    procs = [_start(argv, tmp_path, f"w{i}", 3.0, tmp_path / f"hold-w{i}") for i in range(3)]
     try:
         storage = make_storage(url)  # also exercises postgresql:// → the installed driver
         killed = _wait_held(storage, name, procs[0], tmp_path, "w0", tmp_path / "hold-w0")
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait()
+        for i in (1, 2):
+            (tmp_path / f"hold-w{i}").unlink()
         for i, p in enumerate(procs[1:], 1):
             assert p.wait(timeout=240) == 0, _log(tmp_path, f"w{i}")
     finally:

@@ -19,7 +19,7 @@ import torch
 from conftest import VOCAB, noisy_copy, tiny_model
 from test_cache import WINDOW, check_cache_matches_fresh, gemma3_mixed, reference_logits
 
-from viasd_tune.config import DecodeConfig
+from viasd_tune.config import HYBRIDS, DecodeConfig
 from viasd_tune.decoding import sd, tree_sd
 from viasd_tune.decoding.common import CachedLM, Sampling, Sequence, Stats
 from viasd_tune.decoding.decoder import Decoder
@@ -257,6 +257,22 @@ def decode(target, config: DecodeConfig, ids, draft=None, n=32, eos=frozenset(),
 TREE_DRAFTERS = ["lookup", "recycle", "lookup+recycle", "model", "lookup+model", "lookup+recycle+model"]
 
 
+def random_tree_config(rng: random.Random, drafter: str) -> DecodeConfig:
+    """A random budget (chains included), γ, and each of the drafter's sources' depth and width, every field set
+    only where it acts (one that does nothing is refused)."""
+    parts = drafter.split("+")
+    fields: dict = {"mode": "sd", "gamma": rng.choice([1, 2, 4, 7]), "drafter": drafter}
+    fields["tree_nodes"] = rng.choice([0, 1, 2, 5, 16, 40])
+    if fields["tree_nodes"] > 1 or "recycle" in parts:
+        for source, depth in (("lookup", 8), ("recycle", 6), ("model", 5)):
+            if source in parts:
+                fields[f"tree_{source}_depth"] = rng.randint(1, depth)
+                fields[f"tree_{source}_width"] = rng.randint(1, 4)
+    if drafter in HYBRIDS or "recycle" in parts:
+        fields["lookup_min"] = rng.randint(1, 3)
+    return DecodeConfig(**fields)
+
+
 @pytest.mark.parametrize("drafter", TREE_DRAFTERS)
 def test_greedy_tree_decoding_equals_greedy_ar(pair, drafter):
     """Every tree drafter, random budgets (chains included), depths, widths and γ; 40 new tokens go past the
@@ -265,19 +281,7 @@ def test_greedy_tree_decoding_equals_greedy_ar(pair, drafter):
     rng = random.Random(drafter)
     verified = 0
     for i, ids in enumerate(prompts(6, seed=hash(drafter) % 1000)):
-        cfg = DecodeConfig(
-            mode="sd",
-            gamma=rng.choice([1, 2, 4, 7]),
-            drafter=drafter,
-            tree_nodes=rng.choice([0, 1, 2, 5, 16, 40]),
-            tree_lookup_depth=rng.randint(1, 8),
-            tree_lookup_width=rng.randint(1, 4),
-            tree_recycle_depth=rng.randint(1, 6),
-            tree_recycle_width=rng.randint(1, 4),
-            tree_model_depth=rng.randint(1, 5),
-            tree_model_width=rng.randint(1, 4),
-            lookup_min=rng.randint(1, 3),
-        )
+        cfg = random_tree_config(rng, drafter)
         ref = decode(target, DecodeConfig(mode="ar"), ids, n=40).token_ids
         result = decode(target, cfg, ids, draft=draft, n=40)
         assert result.token_ids == ref, f"prompt {i}: {cfg}"
@@ -358,7 +362,8 @@ def test_tree_fields_are_checked_and_unsupported_combinations_refused_in_one_lin
     assert (
         DecodeConfig(mode="viasd", drafter="lookup", tree_nodes=1).tree_nodes == 1
     )  # a chain: today's VIA-SD
-    assert DecodeConfig(mode="ar", drafter="recycle", tree_nodes=16).is_tree  # ar ignores the drafter
+    with pytest.raises(UserError, match="nothing in mode ar"):  # ar drafts nothing: a tree there is refused
+        DecodeConfig(mode="ar", tree_nodes=16)
 
 
 def _profile_of(cfg: DecodeConfig) -> dict:
@@ -463,7 +468,8 @@ def test_a_tree_profile_is_saved_loaded_and_served(tiny_dirs, tmp_path, capsys, 
         "--tree-recycle-width",
         "3",
     ]
-    assert main(["generate", "--model", tiny_dirs[0], "--draft", tiny_dirs[1], "--dtype", "float32",
+    models_flags = ["--model", tiny_dirs[0]] + (["--draft", tiny_dirs[1]] if "model" in drafter else [])
+    assert main(["generate", *models_flags, "--dtype", "float32",
                  "--prompt", prompt, "--max-new-tokens", "16", "--json", *flags]) == 0  # fmt: skip
     printed = json.loads(capsys.readouterr().out)
     cfg = DecodeConfig.from_dict(printed["config"])
