@@ -523,7 +523,7 @@ def test_trials_counts_real_decodes(tiny_dirs, tmp_path, monkeypatch, capsys):
     replayed = [t for t in complete if not t.user_attrs["measured"]]
     assert len(decoded) == 5
     assert len(replayed) >= len(calls) - len(calls) // 3 > 0
-    assert {t.user_attrs["screened"] for t in replayed} <= {"dominated", "fidelity"}
+    assert {t.user_attrs["screened"] for t in replayed} <= {"dominated", "fidelity", "slow"}
     assert all("screened" not in t.user_attrs for t in decoded)
     err = capsys.readouterr().err
     assert "decoded" in err and f"replayed={len(complete)}" in err
@@ -535,6 +535,7 @@ def test_a_search_with_nothing_worth_decoding_stops(tiny_dirs, tmp_path, monkeyp
     from viasd_tune.search import loop, screen
 
     monkeypatch.setattr(screen, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(screen, "REFERENCE_MARGIN", float("inf"))  # tiny random models replay far below AR
     monkeypatch.setattr(loop, "MIN_REPLAYS", 9)
     monkeypatch.setattr(loop, "REPLAYS_PER_DECODE", 1)
     out = tmp_path / "capped"
@@ -553,12 +554,48 @@ def test_a_search_stops_after_a_run_of_screened_out_trials(tiny_dirs, tmp_path, 
     from viasd_tune.search import loop, screen
 
     monkeypatch.setattr(screen, "could_enter_front", lambda *a: False)
+    monkeypatch.setattr(screen, "REFERENCE_MARGIN", float("inf"))  # tiny random models replay far below AR
     monkeypatch.setattr(loop, "STALE_REPLAYS", 4)
     out = tmp_path / "stale"
     run_search(settings(tiny_dirs, out, trials=5, prompts=4, max_new_tokens=4))
     study = optuna.load_study(study_name="stale", storage=f"sqlite:///{out / 'study.db'}")
     assert [t.user_attrs["measured"] for t in study.trials] == [True] * 3 + [False] * 4
     assert "stopped: the last 4 replayed trials could not enter the measured front" in caplog.text
+
+
+def test_a_trial_that_repeats_a_decoded_configuration_reuses_its_measurement(tiny_dirs, tmp_path, monkeypatch):
+    """TPE proposes a configuration again (the main command on SmolLM2 decoded one three times, ~70 s each):
+    the repeat takes the earlier trial's measurement, says whose, and costs no decode; it still counts."""
+    from viasd_tune.search import objective, params, screen
+
+    monkeypatch.setattr(screen, "REFERENCE_MARGIN", float("inf"))  # tiny random models replay far below AR
+    repeat = DecodeConfig(mode="sd", drafter="lookup", gamma=2)
+    suggest = params.suggest
+
+    def always_the_same(trial, *args):
+        cfg = suggest(trial, *args)
+        if TrialRecord.read(trial).enqueued is None:  # a sampled trial, not a reference point
+            cfg = repeat
+            TrialRecord(config=cfg.to_dict()).write(trial)
+        return cfg
+
+    decodes = []
+    real_measure = objective.measure
+    monkeypatch.setattr(params, "suggest", always_the_same)
+    monkeypatch.setattr(objective, "measure", lambda *a, **k: decodes.append(a[3]) or real_measure(*a, **k))
+    out = tmp_path / "twins"
+    run_search(settings(tiny_dirs, out, trials=6, prompts=4, max_new_tokens=4))
+    study = optuna.load_study(study_name="twins", storage=f"sqlite:///{out / 'study.db'}")
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert [TrialRecord.read(t).measured for t in complete] == [True] * 6
+    enqueued = sum(TrialRecord.read(t).enqueued is not None for t in complete)  # reference points and seeds
+    assert enqueued == 4
+    first, second = complete[enqueued], complete[enqueued + 1]
+    assert TrialRecord.read(first).decode_config() == TrialRecord.read(second).decode_config() == repeat
+    assert TrialRecord.read(second).duplicate_of == first.number and TrialRecord.read(first).duplicate_of is None
+    assert second.values == first.values
+    assert TrialRecord.read(second).fidelity == TrialRecord.read(first).fidelity
+    assert decodes.count(repeat) == 1 and len(decodes) == 5  # the enqueued four, then the one decode
 
 
 def test_a_replayed_trial_is_decoded_only_if_it_could_enter_the_front():
@@ -583,6 +620,22 @@ def test_a_replayed_trial_is_decoded_only_if_it_could_enter_the_front():
     assert could_enter_front(study, 2.0, 2.0 / (1 + FRONT_SLACK) + 0.01)  # too close on acceptance
     assert could_enter_front(study, 2.3, 1.0)  # predicted 1.15: within the slack on speedup
     assert could_enter_front(study, 3.0, 0.5)  # predicted faster than anything measured
+
+
+def test_a_reference_point_is_left_undecoded_only_when_its_replay_is_far_below_a_measured_speed():
+    from viasd_tune.search.screen import REFERENCE_MARGIN, far_slower_than_measured
+
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    # Nothing measured: plain decoding (speedup 1) is the bar.
+    assert far_slower_than_measured(study, 0.9 / REFERENCE_MARGIN)
+    assert not far_slower_than_measured(study, 1.1 / REFERENCE_MARGIN)
+    study.add_trial(
+        optuna.trial.create_trial(
+            values=[3.0, 2.0], user_attrs={"measured": True, "feasible": True, "speedup_modelled": 1.5}
+        )
+    )  # measured at twice its modelled speedup: a modelled 0.7 predicts 1.4, under 3.0 / REFERENCE_MARGIN
+    assert far_slower_than_measured(study, 0.7)
+    assert not far_slower_than_measured(study, 0.8)
 
 
 def test_a_search_over_token_trees_replays_and_decodes_them_alike(tiny_dirs, tmp_path):

@@ -5,7 +5,7 @@ measured speedup and acceptance, or the replay's estimates for a trial screened 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import optuna
@@ -41,6 +41,9 @@ class Objective:
         s, draft = self.settings, self.draft
         draft_layers = num_layers(draft.model) if draft else None
         cfg = params.suggest(trial, self.space, self.n_layers, self.drafters, draft_layers)
+        twin = self._measured_twin(cfg, trial.number)
+        if twin is not None:
+            return self._reuse(trial, twin)
         est = replay.simulate(self.cache, cfg)
         modelled = self.ar_model_s_per_token / max(est.time_s / max(est.tokens, 1), 1e-12)
         TrialRecord(
@@ -62,6 +65,36 @@ class Objective:
         self._record_decoded(trial, m, replayed=tier_shares(est.tiers, est.tokens))
         return m.speedup, m.acceptance
 
+    def _measured_twin(self, cfg: DecodeConfig, number: int) -> optuna.trial.FrozenTrial | None:
+        """An earlier decoded trial that ran this same configuration (samplers propose one again, TPE often
+        near its best): its measurement stands for this trial, as Optuna's FAQ does for duplicated params, so a
+        search does not spend a decode (a minute on SmolLM2) re-measuring it."""
+        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        for t in done:
+            record = TrialRecord.read(t)
+            original = t.number != number and record.measured and record.duplicate_of is None
+            if original and record.config and record.decode_config() == cfg:
+                return t
+        return None
+
+    def _reuse(self, trial: optuna.Trial, twin: optuna.trial.FrozenTrial) -> tuple[float, float]:
+        """Record ``twin``'s measurement as this trial's (``duplicate_of`` says whose) and return its values; the
+        replay-vs-decoding check counts the twin only."""
+        record = TrialRecord.read(twin)
+        replace(
+            record,
+            worker=None,
+            memory_gb=None,
+            enqueued=None,
+            config=None,
+            replayed_tier_shares=None,
+            replay_exact=None,
+            replay_gap=None,
+            duplicate_of=twin.number,
+        ).write(trial)
+        trial.set_constraint("fidelity", self.settings.min_fidelity - (record.fidelity or 0.0))
+        return twin.values[0], twin.values[1]
+
     def _measure(self, cfg: DecodeConfig, flip: bool) -> Measurement:
         target, draft, s = self.target, self.draft, self.settings
         m = measure(
@@ -77,9 +110,7 @@ class Objective:
             raise RuntimeError("non-finite measurement (the skip set may produce NaNs)")
         return m
 
-    def _record_decoded(
-        self, trial: optuna.Trial, m: Measurement, replayed: dict[str, float]
-    ) -> None:
+    def _record_decoded(self, trial: optuna.Trial, m: Measurement, replayed: dict[str, float]) -> None:
         min_fidelity = self.settings.min_fidelity
         TrialRecord(
             measured=True,

@@ -42,7 +42,8 @@ class TrialRecord:
     estimate: dict[str, float] | None = None  # replayed "fidelity", "acceptance", "speedup_modelled"
     speedup_modelled: float | None = None
     measured: bool | None = None  # False: replayed only, the objectives are the replay's estimate
-    screened: str | None = None  # why it was not decoded: "fidelity" (estimate too low) or "dominated"
+    screened: str | None = None  # why it was not decoded: "fidelity" (estimate too low), "dominated", "slow"
+    duplicate_of: int | None = None  # it ran the configuration of that decoded trial, whose measurement it reuses
     fidelity: float | None = None  # greedy agreement (fidelity.py); the replay's estimate when not measured
     feasible: bool | None = None  # fidelity >= the study's min_fidelity (always False when screened)
     tier_shares: dict[str, float] | None = None  # TIERS -> share of emitted tokens

@@ -15,6 +15,10 @@ from .records import TIERS, TrialRecord
 
 ESTIMATE_MARGIN = 0.03  # trials estimated this far below min fidelity are not worth decoding for real
 FRONT_SLACK = 0.1  # a replayed trial is decoded unless a measured feasible one beats it by this much on both
+# A reference point is decoded unless plain decoding or a measured feasible trial runs this many times its
+# predicted speedup: then its replay already says it is no bar to beat (on SmolLM2 the no-skip VIA-SD point with
+# the self-draft replays at 0.46x AR, decodes at 0.39x and cost ~106 s of the main command's 15 minutes).
+REFERENCE_MARGIN = 2.0
 # Replayed and measured tier shares (direct / slim / full) of a decoded trial may differ by this much: the replay
 # runs the engine itself, but its batched forwards and decoding's incremental ones round apart in bf16 (a flipped
 # near-tie changes the rest of the output). The study records it with how many decoded trials stayed within it
@@ -34,20 +38,22 @@ def screened_out(
     acceptance: float,
     min_fidelity: float,
 ) -> str | None:
-    """Why a replayed trial is not decoded for real (``"fidelity"`` or ``"dominated"``), or ``None``. The
-    enqueued reference points (no skip, plain SD per drafter) are always decoded: every study measures them."""
+    """Why a replayed trial is not decoded for real (``"fidelity"``, ``"dominated"`` or ``"slow"``), or
+    ``None``. The enqueued reference points (no skip, plain SD per drafter) are the bars a profile must beat, so
+    each is decoded unless plain decoding or a measured trial runs ``REFERENCE_MARGIN`` times its predicted
+    speed."""
     if fidelity < min_fidelity - ESTIMATE_MARGIN:
         return "fidelity"
-    if not TrialRecord.read(trial).reference and not could_enter_front(study, modelled, acceptance):
+    if TrialRecord.read(trial).reference:
+        return "slow" if far_slower_than_measured(study, modelled) else None
+    if not could_enter_front(study, modelled, acceptance):
         return "dominated"
     return None
 
 
-def could_enter_front(study: optuna.Study, modelled: float, acceptance: float) -> bool:
-    """Whether a replayed trial might join the measured feasible Pareto front, so that decoding it for real is
-    worth its cost. Its modelled speedup is put on the measured scale by the median measured/modelled ratio of
-    the measured trials, and it is ruled out only when a measured feasible trial beats it by ``FRONT_SLACK`` on
-    both objectives (the replay and the cost model are approximations)."""
+def _measured(study: optuna.Study) -> tuple[list[optuna.trial.FrozenTrial], float]:
+    """The measured feasible trials, and the median measured/modelled speedup ratio over them (1 if none): what
+    puts a replayed trial's modelled speedup on the measured scale."""
     TS = optuna.trial.TrialState
     records = [(t, TrialRecord.read(t)) for t in study.get_trials(deepcopy=False, states=(TS.COMPLETE,))]
     measured = [(t, r) for t, r in records if r.measured and r.feasible]
@@ -56,10 +62,27 @@ def could_enter_front(study: optuna.Study, modelled: float, acceptance: float) -
         for t, r in measured
         if r.speedup_modelled is not None and finite(r.speedup_modelled) and r.speedup_modelled > 0
     ]
-    predicted = modelled * (statistics.median(ratios) if ratios else 1.0)
+    return [t for t, _ in measured], statistics.median(ratios) if ratios else 1.0
+
+
+def far_slower_than_measured(study: optuna.Study, modelled: float) -> bool:
+    """Whether plain decoding (speedup 1: every decoded trial measures it beside itself) or a measured feasible
+    trial runs ``REFERENCE_MARGIN`` times a replayed trial's predicted speedup."""
+    measured, ratio = _measured(study)
+    best = max([1.0, *(t.values[0] for t in measured)])
+    return best >= modelled * ratio * REFERENCE_MARGIN
+
+
+def could_enter_front(study: optuna.Study, modelled: float, acceptance: float) -> bool:
+    """Whether a replayed trial might join the measured feasible Pareto front, so that decoding it for real is
+    worth its cost. Its modelled speedup is put on the measured scale by the median measured/modelled ratio of
+    the measured trials, and it is ruled out only when a measured feasible trial beats it by ``FRONT_SLACK`` on
+    both objectives (the replay and the cost model are approximations)."""
+    measured, ratio = _measured(study)
+    predicted = modelled * ratio
     return not any(
         t.values[0] >= predicted * (1 + FRONT_SLACK) and t.values[1] >= acceptance * (1 + FRONT_SLACK)
-        for t, _ in measured
+        for t in measured
     )
 
 
