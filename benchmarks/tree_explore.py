@@ -1,0 +1,103 @@
+"""Tree configurations side by side on one model: tokens per target call, tree size, and wall-time speed relative
+to the first configuration, interleaved prompt by prompt (rotated order, median over repeats).
+
+    python benchmarks/tree_explore.py --model qwen2.5-coder-1.5b --prompts 6 --max-new-tokens 64 --repeats 2 \\
+        'lookup8|mode=sd,drafter=lookup,gamma=8' \\
+        'tree32|mode=sd,drafter=lookup+recycle,gamma=6,tree_nodes=32,tree_recycle_depth=5,tree_recycle_width=3'
+
+Each configuration is ``name|field=value,...`` over DecodeConfig fields; ``warm=1`` keeps the token-recycling
+table across the prompts of a repeat (Token Recycling's hot start; reset at each repeat so a repeated prompt
+never drafts from its own earlier output). An exploration tool: a bench report compares methods with HF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+from viasd_tune import host, models
+from viasd_tune.config import DecodeConfig
+from viasd_tune.decoding import tree_drafters
+from viasd_tune.decoding.decoder import Decoder
+from viasd_tune.prompts import load_prompts, prompt_task_group, sample_prompts
+
+SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
+
+
+def parse(spec: str) -> tuple[str, DecodeConfig, bool]:
+    name, _, fields = spec.partition("|")
+    kw: dict = {}
+    for item in filter(None, fields.split(",")):
+        key, value = item.split("=")
+        kw[key] = int(value) if value.isdigit() else value
+    warm = bool(kw.pop("warm", 0))
+    return name, DecodeConfig(**kw), warm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("configs", nargs="+")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default=None, help="a draft model, for configurations with a model drafter")
+    p.add_argument("--data", default=SPEC_BENCH)
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    target = models.load(args.model, "bfloat16", "cpu")
+    draft = models.load(args.draft, "bfloat16", "cpu").model if args.draft else None
+    by_group = prompt_task_group if args.data == SPEC_BENCH else None
+    prompts = sample_prompts(load_prompts(args.data), args.prompts, 0, key=by_group)
+    runs = [
+        (name, Decoder(target.model, target.tokenizer, cfg, draft=draft), warm)
+        for name, cfg, warm in map(parse, args.configs)
+    ]
+
+    tables: dict = {}
+    plain_init = tree_drafters.RecycleSource.__init__
+
+    def init(self, vocab, depth, width, warm_key=None):
+        plain_init(self, vocab, depth, width)
+        if warm_key is not None:
+            self.table = tables.setdefault((warm_key, width), self.table)
+
+    wall: dict = defaultdict(lambda: defaultdict(float))
+    count: dict = defaultdict(lambda: defaultdict(int))
+    per_group: dict = defaultdict(dict)
+    for r in range(args.repeats):
+        tables.clear()
+        for i, prompt in enumerate(prompts):
+            k = (i + r) % len(runs)
+            for name, dec, warm in runs[k:] + runs[:k]:
+                key = name if warm else None
+                tree_drafters.RecycleSource.__init__ = lambda s, v, d, w, key=key: init(s, v, d, w, key)
+                stats = dec.generate(prompt.text, max_new_tokens=args.max_new_tokens).stats
+                wall[name][r] += stats.wall_time_s
+                if r == 0:
+                    for field in ("full_calls", "new_tokens", "tree_nodes_verified", "rounds"):
+                        count[name][field] += getattr(stats, field)
+                    per_group[name][prompt_task_group(prompt)] = stats.tokens_per_full_call
+    tree_drafters.RecycleSource.__init__ = plain_init
+    print(
+        f"matrix ISA {host.matrix_isa('cpu')} · {host.cpu_name()} · {args.model} bf16 · {len(prompts)} prompts · "
+        f"{args.max_new_tokens} new tokens · {args.repeats} repeats"
+    )
+    print(
+        "| config | speed vs first, median [min–max] | tokens per target call | nodes per round | per group |"
+    )
+    print("|---|---|---|---|---|")
+    base = runs[0][0]
+    for name, _, _ in runs:
+        ratios = [wall[base][r] / wall[name][r] for r in range(args.repeats)]
+        c = count[name]
+        groups = " ".join(f"{g} {v:.2f}" for g, v in per_group[name].items())
+        print(
+            f"| {name} | {statistics.median(ratios):.3f} [{min(ratios):.3f}–{max(ratios):.3f}] | "
+            f"{c['new_tokens'] / max(c['full_calls'], 1):.2f} | {c['tree_nodes_verified'] / max(c['rounds'], 1):.1f} "
+            f"| {groups} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
