@@ -294,6 +294,27 @@ def test_greedy_tree_decoding_equals_greedy_ar(pair, drafter):
     assert verified > 0
 
 
+def test_token_recycling_keeps_its_table_across_requests_until_forget(pair):
+    """A decoder keeps what token recycling learnt (Token Recycling's hot start): every request stays equal to
+    greedy AR, a prompt decoded again drafts from the first run's predictions and needs fewer target calls, and
+    after ``forget()`` a request runs exactly as on a fresh decoder."""
+    target, _ = pair
+    cfg = DecodeConfig(mode="sd", drafter="recycle", gamma=4, tree_nodes=8, tree_recycle_depth=4)
+    dec = Decoder(target, None, cfg, eos=set())
+    many = prompts(6, seed=7)
+    for ids in many:  # one decoder, the table warm after the first
+        ref = decode(target, DecodeConfig(mode="ar"), ids, n=40).token_ids
+        assert dec.generate(ids, 40).token_ids == ref
+    ids = many[0]
+    dec.forget()
+    cold = dec.generate(ids, 40).stats
+    again = dec.generate(ids, 40).stats
+    assert again.full_calls < cold.full_calls
+    dec.forget()
+    assert dec.generate(ids, 40).stats.full_calls == cold.full_calls
+    assert decode(target, cfg, ids, n=40).stats.full_calls == cold.full_calls  # a fresh decoder
+
+
 @pytest.mark.parametrize("drafter", ["lookup+recycle", "lookup+recycle+model"])
 def test_eos_and_max_new_tokens_stop_a_tree_round(pair, drafter):
     target, draft = pair

@@ -101,6 +101,11 @@ class RoutedDecoder:
         self.decoders, self.names, self.rule = decoders, names, rule
         self.tokenizer = decoders[0].tokenizer
 
+    def forget(self) -> None:
+        """:meth:`Decoder.forget` on every configuration."""
+        for decoder in self.decoders:
+            decoder.forget()
+
     def route(self, ids, category: str | None = None) -> int:
         """Index of the configuration that serves a prompt (token ids) of this category."""
         return apply_rule(self.rule, prompt_features(ids, category))

@@ -498,6 +498,7 @@ def run_interleaved(
     with torch.inference_mode():
         for m in names:  # untimed: first-call allocations, kernel selection, lazy imports
             runner.run(methods[m], encoded[0], min(warmup_tokens, max_new_tokens), timed=False)
+        ours = [methods[m].decoder for m in names if methods[m].ours]
         records: dict[str, list[list[dict]]] = {
             m: [[{}] * len(encoded) for _ in range(repeats)] for m in names
         }
@@ -505,6 +506,8 @@ def run_interleaved(
         with tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True) as bar:
             k = 0
             for r in range(repeats):
+                for decoder in ours:  # each pass starts cold: no prompt drafts from its own earlier output
+                    decoder.forget()
                 for i, ids in enumerate(encoded):
                     for m in rotated(names, k):
                         bar.set_postfix_str(f"repeat {r + 1} prompt {i + 1} {m}", refresh=False)

@@ -19,7 +19,7 @@ from .common import LM, CachedLM, Result, RoundHook, Sampling, Sequence, Stats
 from .drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .streaming import StreamEnd, TextStream, check_stop
 from .tree import check_attention
-from .tree_drafters import CombinedDrafter, LookupSource, ModelSource, RecycleSource
+from .tree_drafters import CombinedDrafter, LookupSource, ModelSource, RecycleSource, RecycleTable
 
 __all__ = [
     "DRAFTERS",
@@ -70,6 +70,15 @@ class Decoder:
                 if model is not None:
                     check_attention(model)
         self.eos = eos if eos is not None else eos_ids(target, tokenizer)
+        # Token recycling's tables, kept across requests as Token Recycling keeps its adjacency matrix (a hot
+        # start): what the target predicted after each token in earlier requests drafts for the next ones. It only
+        # changes what is proposed; the target verifies every node, so outputs stay lossless. One per width.
+        self.recycled: dict[int, RecycleTable] = {}
+
+    def forget(self) -> None:
+        """Start the next request cold: drop what token recycling learnt from earlier requests (a benchmark does
+        this before each pass over its prompts, so a repeated prompt never drafts from its own earlier output)."""
+        self.recycled.clear()
 
     def encode(self, prompt, chat: str = "auto") -> torch.Tensor:
         """Prompt text, chat messages or token ids → 1-D id tensor on the target's device."""
@@ -132,7 +141,10 @@ class Decoder:
         if "recycle" in parts:
             vocab = self.target.get_output_embeddings().weight.shape[0]
             width = 1 if chain else cfg.tree_recycle_width
-            sources.append(RecycleSource(vocab, cfg.tree_recycle_depth, width))
+            if width not in self.recycled:
+                self.recycled[width] = RecycleTable(vocab, width)
+            table = self.recycled[width]
+            sources.append(RecycleSource(vocab, cfg.tree_recycle_depth, width, table))
         if "model" in parts:
             lm = self.lm(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
             width = 1 if chain else cfg.tree_model_width

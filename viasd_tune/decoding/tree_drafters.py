@@ -6,8 +6,9 @@ accepts the node's whole path, a product of per-step probabilities, so a child n
 - :class:`LookupSource`: every distinct continuation of the context's longest repeated suffix in prompt + output,
   from an incremental suffix automaton (a round only appends the new tokens, it never rescans the text); a
   step's score is how often that continuation followed in the text (SAM-Decoding, REST);
-- :class:`RecycleSource`: token recycling: each token's top-k successors as the target last predicted them in
-  this request, kept in a table that every verification's logits refresh (free: the round computed them);
+- :class:`RecycleSource`: token recycling: each token's top-k successors as the target last predicted them, kept
+  in a table that every verification's logits refresh (free: the round computed them) and that the decoder keeps
+  across requests;
 - :class:`ModelSource`: the draft model expands, level by level in one batched forward each, the most probable
   frontier nodes by their top-k tokens (EAGLE-2's dynamic tree), so it branches where it is unsure.
 
@@ -185,13 +186,14 @@ class RecycleTable:
 
 
 class RecycleSource:
-    """Token recycling: from the sequence's last token, follow each token's recorded successors (best first)."""
+    """Token recycling: from the sequence's last token, follow each token's recorded successors (best first).
+    ``table``: one kept from earlier requests (Token Recycling's hot start; see ``Decoder.forget``)."""
 
     kind = "recycle"
 
-    def __init__(self, vocab: int, depth: int, width: int):
+    def __init__(self, vocab: int, depth: int, width: int, table: RecycleTable | None = None):
         self.depth, self.width = depth, width
-        self.table = RecycleTable(vocab, width)
+        self.table = table if table is not None else RecycleTable(vocab, width)
 
     def propose(self, seq: Sequence, depth: int, budget: int) -> Proposal:
         out = Proposal()

@@ -384,8 +384,11 @@ def acceptance(tokens: int, full_calls: int, slim_calls: int, slim_cost: float) 
 def simulate(cache: ReplayCache, cfg: DecodeConfig) -> Estimate:
     """Replay a configuration (greedy) on every calibration prompt."""
     est = Estimate(slim_cost=1.0 - cfg.skip.fraction(cache.num_layers) if cfg.mode == "viasd" else 1.0)
+    recycled: dict = {}  # one decoder runs every prompt when measured: token recycling's tables carry over
     for i, ref in enumerate(cache.refs):
-        result = cache.decoder(cfg, i).generate(ref.prompt_ids, max_new_tokens=cache.max_new_tokens)
+        decoder = cache.decoder(cfg, i)
+        decoder.recycled = recycled
+        result = decoder.generate(ref.prompt_ids, max_new_tokens=cache.max_new_tokens)
         est.results.append(result)
         est.agree += cache.agreement(i, result.token_ids)
     return est
