@@ -6,8 +6,8 @@ to the first configuration, interleaved prompt by prompt (rotated order, median 
         'tree32|mode=sd,drafter=lookup+recycle,gamma=6,tree_nodes=32,tree_recycle_depth=5,tree_recycle_width=3'
 
 Each configuration is ``name|field=value,...`` over DecodeConfig fields; ``warm=1`` keeps the token-recycling
-table across the prompts of a repeat (Token Recycling's hot start; reset at each repeat so a repeated prompt
-never drafts from its own earlier output). An exploration tool: a bench report compares methods with HF.
+table across the prompts of a repeat as the decoder does by default (Token Recycling's hot start; forgotten at
+each repeat so a repeated prompt never drafts from its own earlier output); without it every request starts cold. An exploration tool: a bench report compares methods with HF.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections import defaultdict
 
 from viasd_tune import host, models
 from viasd_tune.config import DecodeConfig
-from viasd_tune.decoding import tree_drafters
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.prompts import load_prompts, prompt_task_group, sample_prompts
 
@@ -54,31 +53,23 @@ def main() -> None:
         for name, cfg, warm in map(parse, args.configs)
     ]
 
-    tables: dict = {}
-    plain_init = tree_drafters.RecycleSource.__init__
-
-    def init(self, vocab, depth, width, warm_key=None):
-        plain_init(self, vocab, depth, width)
-        if warm_key is not None:
-            self.table = tables.setdefault((warm_key, width), self.table)
-
     wall: dict = defaultdict(lambda: defaultdict(float))
     count: dict = defaultdict(lambda: defaultdict(int))
     per_group: dict = defaultdict(dict)
     for r in range(args.repeats):
-        tables.clear()
+        for _, dec, _ in runs:
+            dec.forget()
         for i, prompt in enumerate(prompts):
             k = (i + r) % len(runs)
             for name, dec, warm in runs[k:] + runs[:k]:
-                key = name if warm else None
-                tree_drafters.RecycleSource.__init__ = lambda s, v, d, w, key=key: init(s, v, d, w, key)
+                if not warm:
+                    dec.forget()  # each request cold, as before the decoder kept the table
                 stats = dec.generate(prompt.text, max_new_tokens=args.max_new_tokens).stats
                 wall[name][r] += stats.wall_time_s
                 if r == 0:
                     for field in ("full_calls", "new_tokens", "tree_nodes_verified", "rounds"):
                         count[name][field] += getattr(stats, field)
                     per_group[name][prompt_task_group(prompt)] = stats.tokens_per_full_call
-    tree_drafters.RecycleSource.__init__ = plain_init
     print(
         f"matrix ISA {host.matrix_isa('cpu')} · {host.cpu_name()} · {args.model} bf16 · {len(prompts)} prompts · "
         f"{args.max_new_tokens} new tokens · {args.repeats} repeats"
