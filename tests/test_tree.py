@@ -313,6 +313,11 @@ def test_token_recycling_keeps_its_table_across_requests_until_forget(pair):
     dec.forget()
     assert dec.generate(ids, 40).stats.full_calls == cold.full_calls
     assert decode(target, cfg, ids, n=40).stats.full_calls == cold.full_calls  # a fresh decoder
+    # A seeded sample repeats whatever the decoder learnt before it: it drafts from a cold table.
+    sampled = dec.generate(ids, 40, temperature=0.9, seed=3)
+    dec.generate(many[1], 40)
+    assert dec.generate(ids, 40, temperature=0.9, seed=3).token_ids == sampled.token_ids
+    assert dec.generate(ids, 40).stats.full_calls < cold.full_calls  # and leaves the warm table as it was
 
 
 @pytest.mark.parametrize("drafter", ["lookup+recycle", "lookup+recycle+model"])

@@ -129,9 +129,12 @@ class Decoder:
             return model
         return HybridDrafter(LookupDrafter(stats), model, cfg.lookup_min)
 
-    def _tree_drafter(self, sampling: Sampling, gen, stats: Stats, sync: bool) -> CombinedDrafter:
+    def _tree_drafter(
+        self, sampling: Sampling, gen, stats: Stats, sync: bool, warm: bool = True
+    ) -> CombinedDrafter:
         """The drafter's sources (lookup, recycling, the draft model), merged under the node budget; as a chain
-        (``tree_nodes`` ≤ 1) each source proposes its top path and the first one deep enough is the round's."""
+        (``tree_nodes`` ≤ 1) each source proposes its top path and the first one deep enough is the round's.
+        ``warm``: token recycling drafts from (and adds to) the table kept across requests; else from a fresh one."""
         cfg = self.config
         chain = cfg.tree_nodes <= 1
         parts = cfg.drafter.split("+")
@@ -141,9 +144,11 @@ class Decoder:
         if "recycle" in parts:
             vocab = self.target.get_output_embeddings().weight.shape[0]
             width = 1 if chain else cfg.tree_recycle_width
-            if width not in self.recycled:
-                self.recycled[width] = RecycleTable(vocab, width)
-            table = self.recycled[width]
+            table = self.recycled.get(width) if warm else None
+            if table is None:
+                table = RecycleTable(vocab, width)
+                if warm:
+                    self.recycled[width] = table
             sources.append(RecycleSource(vocab, cfg.tree_recycle_depth, width, table))
         if "model" in parts:
             lm = self.lm(self.draft, cfg.draft_skip, tier="draft", stats=stats, sync=sync)
@@ -233,7 +238,10 @@ class Decoder:
         if cfg.mode == "ar":
             result = ar.generate(full, seq, max_new_tokens, self.eos, sampling, gen, on_round)
         elif cfg.is_tree:
-            drafter = self._tree_drafter(sampling, gen, stats, sync)
+            # A seeded sample must repeat whatever ran before it, so it drafts from a cold table; a greedy output
+            # is the target's whatever the drafts, and an unseeded sample is random anyway.
+            warm = sampling.greedy or seed is None
+            drafter = self._tree_drafter(sampling, gen, stats, sync, warm)
             result = tree_sd.generate(
                 full, drafter, seq, max_new_tokens, self.eos, cfg.gamma, sampling, gen, on_round
             )
