@@ -29,7 +29,13 @@ def parse(spec: str) -> tuple[str, DecodeConfig, bool]:
     kw: dict = {}
     for item in filter(None, fields.split(",")):
         key, value = item.split("=")
-        kw[key] = int(value) if value.isdigit() else value
+        try:
+            kw[key] = int(value)
+        except ValueError:
+            try:
+                kw[key] = float(value)
+            except ValueError:
+                kw[key] = value
     warm = bool(kw.pop("warm", 0))
     return name, DecodeConfig(**kw), warm
 
@@ -54,6 +60,7 @@ def main() -> None:
     ]
 
     wall: dict = defaultdict(lambda: defaultdict(float))
+    group_wall: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))  # name → group → repeat → s
     count: dict = defaultdict(lambda: defaultdict(int))
     per_group: dict = defaultdict(dict)
     for r in range(args.repeats):
@@ -66,27 +73,35 @@ def main() -> None:
                     dec.forget()  # each request cold, as before the decoder kept the table
                 stats = dec.generate(prompt.text, max_new_tokens=args.max_new_tokens).stats
                 wall[name][r] += stats.wall_time_s
+                group_wall[name][prompt_task_group(prompt)][r] += stats.wall_time_s
                 if r == 0:
                     for field in ("full_calls", "new_tokens", "tree_nodes_verified", "rounds"):
                         count[name][field] += getattr(stats, field)
-                    per_group[name][prompt_task_group(prompt)] = stats.tokens_per_full_call
+                    g = per_group[name].setdefault(prompt_task_group(prompt), [0, 0])
+                    g[0] += stats.new_tokens
+                    g[1] += stats.full_calls
     print(
         f"matrix ISA {host.matrix_isa('cpu')} · {host.cpu_name()} · {args.model} bf16 · {len(prompts)} prompts · "
         f"{args.max_new_tokens} new tokens · {args.repeats} repeats"
     )
     print(
-        "| config | speed vs first, median [min–max] | tokens per target call | nodes per round | per group |"
+        "| config | speed vs first, median [min–max] | tokens per target call | nodes per round | "
+        "tokens per call by group | speed vs first by group |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     base = runs[0][0]
     for name, _, _ in runs:
         ratios = [wall[base][r] / wall[name][r] for r in range(args.repeats)]
         c = count[name]
-        groups = " ".join(f"{g} {v:.2f}" for g, v in per_group[name].items())
+        groups = " ".join(f"{g} {t / max(n, 1):.2f}" for g, (t, n) in per_group[name].items())
+        speeds = " ".join(
+            f"{g} {statistics.median(group_wall[base][g][r] / t[r] for r in range(args.repeats)):.2f}"
+            for g, t in group_wall[name].items()
+        )
         print(
             f"| {name} | {statistics.median(ratios):.3f} [{min(ratios):.3f}–{max(ratios):.3f}] | "
             f"{c['new_tokens'] / max(c['full_calls'], 1):.2f} | {c['tree_nodes_verified'] / max(c['rounds'], 1):.1f} "
-            f"| {groups} |"
+            f"| {groups} | {speeds} |"
         )
 
 
