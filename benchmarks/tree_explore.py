@@ -7,7 +7,8 @@ to the first configuration, interleaved prompt by prompt (rotated order, median 
 
 Each configuration is ``name|field=value,...`` over DecodeConfig fields; ``warm=1`` keeps the token-recycling
 table across the prompts of a repeat as the decoder does by default (Token Recycling's hot start; forgotten at
-each repeat so a repeated prompt never drafts from its own earlier output); without it every request starts cold. An exploration tool: a bench report compares methods with HF.
+each repeat so a repeated prompt never drafts from its own earlier output); without it every request starts cold.
+An exploration tool: a bench report compares methods with HF.
 """
 
 from __future__ import annotations
@@ -72,12 +73,13 @@ def main() -> None:
                 if not warm:
                     dec.forget()  # each request cold, as before the decoder kept the table
                 stats = dec.generate(prompt.text, max_new_tokens=args.max_new_tokens).stats
+                group = prompt_task_group(prompt)
                 wall[name][r] += stats.wall_time_s
-                group_wall[name][prompt_task_group(prompt)][r] += stats.wall_time_s
+                group_wall[name][group][r] += stats.wall_time_s
                 if r == 0:
                     for field in ("full_calls", "new_tokens", "tree_nodes_verified", "rounds"):
                         count[name][field] += getattr(stats, field)
-                    g = per_group[name].setdefault(prompt_task_group(prompt), [0, 0])
+                    g = per_group[name].setdefault(group, [0, 0])
                     g[0] += stats.new_tokens
                     g[1] += stats.full_calls
     print(
