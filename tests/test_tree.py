@@ -413,6 +413,7 @@ def test_tree_profile_round_trip_and_defaults():
     validate_profile(p)
     assert p["tree"] == {
         "nodes": 24,
+        "sizing": "fixed",
         "lookup": {"depth": 8, "width": 3},
         "recycle": {"depth": 5, "width": 4},
         "model": {"depth": 4, "width": 2},

@@ -22,6 +22,7 @@ from .config import (
     KL_KINDS,
     MODES,
     TREE_NODES_MAX,
+    TREE_SIZINGS,
     TREE_SOURCE_FIELDS,
     DecodeConfig,
     check_applicable,
@@ -139,6 +140,14 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"mode sd: verify a token tree of up to N draft nodes in one target forward, 0..{TREE_NODES_MAX} "
         "(default 1: a chain of --gamma drafts); its depth is at most --gamma",
+    )
+    p.add_argument(
+        "--tree-sizing",
+        default=None,
+        choices=TREE_SIZINGS,
+        help="mode sd with --tree-nodes above 1: fixed verifies the N best nodes every round (default); cost cuts "
+        "each round's tree to the size that maximises expected tokens per unit of this host's verify cost "
+        "(measured when the model loads, ~10 s for 1.5B on 2 cores)",
     )
     for name in TREE_SOURCE_FIELDS:
         source, what = name.split("_")[1:]
@@ -292,6 +301,7 @@ def _decode_config(args) -> DecodeConfig:
         draft_confidence=given("draft_confidence", 0.0),
         lookup_min=given("lookup_min", 1),
         tree_nodes=given("tree_nodes", 1),
+        tree_sizing=given("tree_sizing", "fixed"),
         **{name: given(name, getattr(DecodeConfig, name)) for name in TREE_SOURCE_FIELDS},
     )
     check_applicable(config.mode, config.drafter, [name for name, _ in _given_flags(args)])

@@ -37,6 +37,7 @@ GAMMA_MAX = 64  # drafted tokens per round; more only costs memory and time (a v
 TREE_NODES_MAX = 64  # draft nodes per tree (a verify block of 65 tokens costs ~3.5 steps on AVX-512-bf16)
 # The tree fields, each a whole number from 1 to GAMMA_MAX; their flags are --tree-lookup-depth etc.
 TREE_SOURCES = ("lookup", "recycle", "model")  # a tree drafter's sources, named by its parts
+TREE_SIZINGS = ("fixed", "cost")  # the node budget every round, or each round cut to what pays on this host
 TREE_SOURCE_FIELDS = tuple(f"tree_{source}_{what}" for source in TREE_SOURCES for what in ("depth", "width"))
 
 
@@ -158,6 +159,9 @@ class DecodeConfig:
       token recycling, ``model``: the draft model) each propose a tree no deeper than γ and the N best nodes
       are verified; drafters ``recycle``/``lookup+recycle``/``lookup+recycle+model`` also run as a chain (each
       source's top path, the first one at least ``lookup_min`` deep, as the hybrids do);
+    - ``tree_sizing``: ``fixed`` verifies the budget's best nodes every round; ``cost`` cuts each round's tree to
+      the size that maximises expected tokens per unit of this host's verify cost (measured when the decoder
+      loads), with acceptance learnt from the rounds' verifications (``decoding/tree_sizing.py``);
     - ``tree_{lookup,recycle,model}_{depth,width}``: 1..64, each source's depth and branching (its top-k); the
       recycling table keeps ``tree_recycle_width`` successors per token.
 
@@ -219,6 +223,10 @@ class DecodeConfig:
         metadata=scope(
             ("--tree-nodes",), ("sd",), why="the full target verifies token trees in mode sd", idle=(0,)
         ),
+    )
+    tree_sizing: str = field(
+        default="fixed",
+        metadata=scope(("--tree-sizing",), ("sd",), why="it sizes token trees, which mode sd verifies"),
     )
     tree_lookup_depth: int = field(
         default=8,
@@ -321,6 +329,7 @@ class DecodeConfig:
                 "it is the token tree's node budget, 0 or 1 a chain"
             )
         object.__setattr__(self, "tree_nodes", int(n))
+        _choice("tree_sizing", self.tree_sizing, TREE_SIZINGS, "--tree-sizing")
         for name in TREE_SOURCE_FIELDS:
             flag = "--" + name.replace("_", "-")
             _whole_up_to_gamma_max(
@@ -331,6 +340,11 @@ class DecodeConfig:
             )
         if self.mode == "ar":
             return
+        if self.tree_sizing != "fixed" and self.tree_nodes <= 1:
+            raise UserError(
+                f"tree_sizing (--tree-sizing) {self.tree_sizing} cuts a token tree each round, and this is a chain "
+                f"(tree_nodes {self.tree_nodes}); set --tree-nodes above 1 or drop --tree-sizing"
+            )
         shaped = [f for f in TREE_SOURCE_FIELDS if f in self.set_fields()]
         if shaped and not self.is_tree:
             raise UserError(
@@ -423,6 +437,7 @@ class DecodeConfig:
             "lookup_min": self.lookup_min,
             "tree": {
                 "nodes": self.tree_nodes,
+                "sizing": self.tree_sizing,
                 **{
                     source: {
                         "depth": getattr(self, f"tree_{source}_depth"),
@@ -437,7 +452,7 @@ class DecodeConfig:
     def from_profile(cls, profile: dict[str, Any]) -> DecodeConfig:
         """The configuration a (schema-valid) profile pins. A profile without ``mode`` (written before it
         existed) is VIA-SD; without ``recheck``/``draft_confidence``, they are off; without ``lookup_min``, 1;
-        without ``tree`` (or any of its fields), a chain and the defaults."""
+        without ``tree`` (or any of its fields), a chain and the defaults (``sizing`` fixed)."""
         draft, thresholds, routing = profile["draft"], profile["thresholds"], profile["routing"]
         tree = profile.get("tree", {})
         sources = {
@@ -459,6 +474,7 @@ class DecodeConfig:
             draft_confidence=profile.get("draft_confidence", 0.0),
             lookup_min=profile.get("lookup_min", 1),
             tree_nodes=tree.get("nodes", 1),
+            tree_sizing=tree.get("sizing", "fixed"),
             **sources,
         )
 

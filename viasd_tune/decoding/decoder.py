@@ -20,6 +20,7 @@ from .drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .streaming import StreamEnd, TextStream, check_stop
 from .tree import check_attention
 from .tree_drafters import CombinedDrafter, LookupSource, ModelSource, RecycleSource, RecycleTable
+from .tree_sizing import Calibration, VerifyCost, measure_verify_cost
 
 __all__ = [
     "DRAFTERS",
@@ -48,7 +49,9 @@ class Decoder:
     runs one as it happens.
 
     ``lm`` builds the engine's view of each model over its KV cache, called as ``CachedLM`` is (model, skip,
-    tier, stats, sync): the models run for real by default; the search's replay serves recorded forwards."""
+    tier, stats, sync): the models run for real by default; the search's replay serves recorded forwards.
+    ``verify_cost``: the target's forward cost by block size, for ``tree_sizing`` ``cost`` (None: measured on
+    this host before the first tree request; the search passes its cost model's curve)."""
 
     def __init__(
         self,
@@ -58,6 +61,7 @@ class Decoder:
         draft: nn.Module | None = None,
         eos: set[int] | None = None,
         lm: Callable[..., LM] = CachedLM,
+        verify_cost: VerifyCost | None = None,
     ):
         from ..models import eos_ids
 
@@ -74,11 +78,18 @@ class Decoder:
         # start): what the target predicted after each token in earlier requests drafts for the next ones. It only
         # changes what is proposed; the target verifies every node, so outputs stay lossless. One per width.
         self.recycled: dict[int, RecycleTable] = {}
+        # What tree sizing learnt of the sources' acceptance, kept across requests as the tables are.
+        self.calibration = Calibration()
+        self.verify_cost = verify_cost
+        if config.mode == "sd" and config.tree_sizing == "cost" and verify_cost is None:
+            self.verify_cost = measure_verify_cost(target, config.tree_nodes + 1)  # before any request is timed
 
     def forget(self) -> None:
-        """Start the next request cold: drop what token recycling learnt from earlier requests (a benchmark does
-        this before each pass over its prompts, so a repeated prompt never drafts from its own earlier output)."""
+        """Start the next request cold: drop what token recycling and tree sizing learnt from earlier requests (a
+        benchmark does this before each pass over its prompts, so a repeated prompt never drafts from its own earlier
+        output)."""
         self.recycled.clear()
+        self.calibration = Calibration()
 
     def encode(self, prompt, chat: str = "auto") -> torch.Tensor:
         """Prompt text, chat messages or token ids → 1-D id tensor on the target's device."""
@@ -155,7 +166,10 @@ class Decoder:
             width = 1 if chain else cfg.tree_model_width
             sources.append(ModelSource(lm, cfg.tree_model_depth, width, sampling, gen, cfg.draft_confidence))
         budget = cfg.gamma if chain else cfg.tree_nodes
-        return CombinedDrafter(sources, budget, stats, cfg.lookup_min, chain=chain)
+        sizing = None
+        if cfg.tree_sizing == "cost":
+            sizing = (self.calibration if warm else Calibration(), self.verify_cost)
+        return CombinedDrafter(sources, budget, stats, cfg.lookup_min, chain=chain, sizing=sizing)
 
     @torch.inference_mode()
     def generate(

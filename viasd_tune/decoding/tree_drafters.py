@@ -28,6 +28,7 @@ import torch
 from .common import CachedLM, Sampling, Sequence, Stats, pick
 from .drafters import Drafter
 from .tree import Tree
+from .tree_sizing import Calibration, VerifyCost, cut, subtree
 
 
 @dataclass
@@ -385,11 +386,20 @@ class CombinedDrafter:
     proposal at least ``lookup_min`` deep (capped at the round's depth) is the round's, the last one in any case;
     a source after it does not run (the draft model costs forwards, lookup and recycling do not)."""
 
-    def __init__(self, sources: list, budget: int, stats: Stats, lookup_min: int = 1, chain: bool = False):
+    def __init__(
+        self,
+        sources: list,
+        budget: int,
+        stats: Stats,
+        lookup_min: int = 1,
+        chain: bool = False,
+        sizing: tuple[Calibration, VerifyCost] | None = None,
+    ):
         self.sources, self.budget, self.stats = sources, budget, stats
-        self.lookup_min, self.chain = lookup_min, chain
+        self.lookup_min, self.chain, self.sizing = lookup_min, chain, sizing
         self.kind = "+".join(s.kind for s in sources)
         self._kept: dict[int, dict[int, int]] = {}  # source position → (tree node → the source's node)
+        self._learn: tuple[list[str], list[float], list[int]] | None = None  # the round's nodes, for calibration
 
     def tree(self, seq: Sequence, depth: int) -> Tree:
         ran, proposals = [], []
@@ -406,11 +416,33 @@ class CombinedDrafter:
         if any(self.sources[k].kind == "lookup" and p.n for k, p in zip(ran, proposals, strict=True)):
             self.stats.rounds_lookup += 1
         tree, kept = merge(proposals, self.budget)
+        if self.sizing is not None and tree.n:
+            tree, kept = self._cut(tree, kept, [self.sources[k].kind for k in ran], proposals)
         self._kept = dict(zip(ran, kept, strict=True))
         self.stats.drafted += tree.n
         return tree
 
+    def _cut(
+        self, tree: Tree, kept: list[dict[int, int]], kinds: list[str], proposals: list[Proposal]
+    ) -> tuple[Tree, list[dict[int, int]]]:
+        """The merged tree cut to the size that pays (:func:`tree_sizing.cut`), and the sources' maps to it."""
+        scores, names = [0.0] * tree.n, [[] for _ in range(tree.n)]
+        for kind, m, prop in zip(kinds, kept, proposals, strict=True):
+            for node, i in m.items():
+                scores[node] = max(scores[node], prop.scores[i])
+                names[node].append(kind)
+        keys = ["+".join(sorted(n)) for n in names]
+        calibration, cost = self.sizing
+        keep, steps = cut(tree, scores, keys, calibration, cost)
+        small = subtree(tree, keep)
+        self._learn = ([keys[i] for i in keep], [steps[i] for i in keep], small.parents)
+        index = {old: new for new, old in enumerate(keep)}
+        return small, [{index[t]: i for t, i in m.items() if t in index} for m in kept]
+
     def observe(self, seq: Sequence, tree: Tree, logits: torch.Tensor, path: list[int]) -> None:
+        if self.sizing is not None and self._learn is not None:
+            self.sizing[0].learn(*self._learn, path)
+            self._learn = None
         for k, source in enumerate(self.sources):
             if isinstance(source, RecycleSource):
                 source.observe(seq, tree, logits)
