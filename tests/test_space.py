@@ -708,3 +708,29 @@ def test_a_seeded_skip_set_stays_a_chain_where_the_space_has_trees(tmp_path: Pat
     cfg = suggest(optuna.trial.FixedTrial({**fixed, **seeded}), space, 8, ["lookup", "model"])
     assert (cfg.mode, cfg.tree_nodes, cfg.skip) == ("viasd", 1, skip)
     assert "tree_nodes" not in skip_params(doc_space(tmp_path), 8, skip)  # a space without trees: as before
+
+
+def test_tree_sizing_is_searched_for_trees_only(tmp_path: Path) -> None:
+    """``tree.sizing`` lists the choices; a budget above 1 asks for one, a chain never does (it has no tree to
+    cut); a single choice is not a param; an unknown one is refused in one line."""
+    no_model = {"draft_confidence": None, "self_draft": None, "draft_model": None}  # keys for a model drafter
+    space = doc_space(
+        tmp_path, tree={**TREE, "sizing": ["fixed", "cost"]}, drafter=["lookup", "lookup+recycle"], **no_model
+    )
+    assert space.tree.sizing == ("fixed", "cost")
+    study, configs = run_study(space, 8, ["lookup", "lookup+recycle"], n_trials=60)
+    sizings = set()
+    for trial, cfg in zip(study.trials, configs, strict=True):
+        assert ("tree_sizing" in trial.params) == (cfg.tree_nodes > 1)
+        if cfg.tree_nodes > 1:
+            sizings.add(cfg.tree_sizing)
+        else:
+            assert cfg.tree_sizing == "fixed"
+    assert sizings == {"fixed", "cost"}
+    only = doc_space(tmp_path, tree={**TREE, "sizing": ["cost"]}, drafter=["lookup+recycle"], **no_model)
+    _, configs = run_study(only, 8, ["lookup+recycle"], n_trials=10)
+    assert {c.tree_sizing for c in configs if c.tree_nodes > 1} == {"cost"}
+    assert doc_space(tmp_path, tree=TREE, drafter=["lookup"], **no_model).tree.sizing == ("fixed",)  # left out
+    with pytest.raises(UserError, match=r"\$\.tree\.sizing\[0\]") as err:
+        load_space(write(tmp_path, edited(tree={"nodes": [4], "sizing": ["auto"]})))
+    assert "\n" not in str(err.value)

@@ -134,6 +134,8 @@ def tree_text(c: dict[str, Any]) -> str | None:
     if nodes <= 1 and "recycle" not in sources:
         return None
     head = f"tree of {nodes} nodes" if nodes > 1 else "chain from token recycling"
+    if nodes > 1 and c.get("tree_sizing") == "cost":
+        head = f"tree of up to {nodes} nodes, cut to the host's verify cost"
     shapes = [
         f"{s} depth {c.get(f'tree_{s}_depth', '-')} width {c.get(f'tree_{s}_width', '-')}" for s in sources
     ]

@@ -20,6 +20,7 @@ from sklearn.linear_model import LinearRegression
 from torch import nn
 
 from ..decoding.common import CachedLM
+from ..decoding.tree_sizing import VerifyCost
 from ..routing import SkipSet, num_layers
 
 BLOCKS = (1, 4, 8)
@@ -96,6 +97,12 @@ class CostModel:
         if curve is None:
             return linear
         return curve if skip is None or skip.is_empty else curve * linear / self._linear(k, None)
+
+    def verify_cost(self) -> VerifyCost:
+        """The full target's cost by block size, what ``tree_sizing`` ``cost`` cuts trees by: the measured curve,
+        or the linear model at the curve's sizes up to 64 where none was measured."""
+        points = self.blocks or tuple((k, self._linear(k, None)) for k in CURVE_BLOCKS)
+        return VerifyCost.from_times(points)
 
     def draft_time(self, k: int, skip: SkipSet | None = None) -> float:
         a, b = self.draft_coef or (0.0, 0.0)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from ..config import DecodeConfig
 from ..decoding.decoder import Decoder
+from ..decoding.tree_sizing import VerifyCost
 from ..fidelity import agreement, greedy_agreement
 from ..routing import num_layers
 from . import replay
@@ -41,10 +42,12 @@ def measure(
     max_new_tokens: int,
     flip: bool,
     baseline: DecodeConfig | None = None,
+    verify_cost: VerifyCost | None = None,
 ) -> Measurement:
-    """Decode every prompt with ``config`` and with ``baseline`` (AR by default), interleaved; ratio of sums."""
-    dec = Decoder(target, tokenizer, config, draft=draft)
-    base = Decoder(target, tokenizer, baseline or DecodeConfig(mode="ar"), draft=draft)
+    """Decode every prompt with ``config`` and with ``baseline`` (AR by default), interleaved; ratio of sums.
+    ``verify_cost``: the search's curve for ``tree_sizing`` ``cost`` (None: the decoder measures its own)."""
+    dec = Decoder(target, tokenizer, config, draft=draft, verify_cost=verify_cost)
+    base = Decoder(target, tokenizer, baseline or DecodeConfig(mode="ar"), draft=draft, verify_cost=verify_cost)
     t_cfg = t_base = 0.0
     tokens = base_tokens = full_calls = slim_calls = 0
     n_layers = num_layers(target)
@@ -102,11 +105,20 @@ def references(target, tokenizer, items, max_new_tokens: int, progress: bool) ->
     return refs
 
 
-def held_out(target, tokenizer, draft, cfg: DecodeConfig, items, max_new_tokens: int, progress: bool) -> dict:
+def held_out(
+    target,
+    tokenizer,
+    draft,
+    cfg: DecodeConfig,
+    items,
+    max_new_tokens: int,
+    progress: bool,
+    verify_cost: VerifyCost | None = None,
+) -> dict:
     """Metrics of ``cfg`` on prompts the search never saw, vs AR and vs plain SD with the same drafter: what the
     exported profile reports."""
     hrefs = references(target, tokenizer, items, max_new_tokens, progress)
-    m = measure(target, tokenizer, draft, cfg, hrefs, max_new_tokens, False)
+    m = measure(target, tokenizer, draft, cfg, hrefs, max_new_tokens, False, verify_cost=verify_cost)
     sd_cfg = DecodeConfig(
         mode="sd",
         gamma=cfg.gamma,
@@ -114,7 +126,9 @@ def held_out(target, tokenizer, draft, cfg: DecodeConfig, items, max_new_tokens:
         draft_skip=cfg.draft_skip,
         lookup_min=cfg.lookup_min,
     )
-    vs_sd = measure(target, tokenizer, draft, cfg, hrefs, max_new_tokens, True, baseline=sd_cfg)
+    vs_sd = measure(
+        target, tokenizer, draft, cfg, hrefs, max_new_tokens, True, baseline=sd_cfg, verify_cost=verify_cost
+    )
     return {
         "speedup_measured": m.speedup,
         "speedup_vs_sd": vs_sd.speedup,

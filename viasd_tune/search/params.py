@@ -39,7 +39,8 @@ TAU_ESCALATE = "tau_escalate"
 TAU_ACCEPT_RATIO = "tau_accept_ratio"
 SKIP_FRAC = "skip_frac"  # budget encoding: the share of eligible sub-layers skipped ...
 RECHECK = "recheck"
-TREE_NODES = "tree_nodes"  # token trees (issue 33): the node budget, and per source ...
+TREE_NODES = "tree_nodes"  # token trees (issue 33): the node budget, how each round sizes it, and per source ...
+TREE_SIZING = "tree_sizing"
 
 
 def tree_shape(source: str, what: str) -> str:
@@ -182,9 +183,9 @@ def _decode(
     )
 
 
-def _tree(ask: _Ask, space: SearchSpace, drafter: str) -> dict[str, int]:
+def _tree(ask: _Ask, space: SearchSpace, drafter: str) -> dict[str, int | str]:
     """The token tree's DecodeConfig fields (none for a space without ``tree`` or for the self-draft, whose
-    rounds are chains): the node budget, then the depth and width of each source the drafter has. A chain
+    rounds are chains): the node budget, its sizing (budgets above 1), then each source's depth and width. A chain
     (budget 1) of a recycling drafter still takes each source's depth; widths only matter to a tree."""
     spec = space.tree
     if spec is None or model_drafter(drafter) == "self":
@@ -196,6 +197,11 @@ def _tree(ask: _Ask, space: SearchSpace, drafter: str) -> dict[str, int]:
     out = {TREE_NODES: nodes}
     if nodes <= 1 and drafter not in RECYCLE_DRAFTERS:
         return out  # a plain chain: the sources' shapes have no effect
+    if nodes > 1:
+        sizing = spec.sizing
+        out[TREE_SIZING] = (
+            sizing[0] if len(sizing) == 1 else ask.choice(TREE_SIZING, sizing, reference=sizing[0])
+        )
     for source in (s for s in TREE_SOURCES if s in drafter.split("+")):
         for what in ("depth", "width") if nodes > 1 else ("depth",):
             bounds = getattr(spec, f"{source}_{what}")

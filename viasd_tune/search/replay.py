@@ -41,6 +41,7 @@ from ..config import DecodeConfig
 from ..decoding.common import LM, CachedLM, Result, Stats
 from ..decoding.decoder import Decoder
 from ..decoding.tree import Tree
+from ..decoding.tree_sizing import Calibration, VerifyCost
 from ..routing import KVExtents, SkipSet, num_layers
 from .costmodel import CostModel
 
@@ -149,6 +150,8 @@ class ReplayCache:
         self.memo = Memo(budget)
         self._cursors: OrderedDict[tuple, tuple[CachedLM, list[int]]] = OrderedDict()
         self._dtype = {"target": _dtype(target), "draft": _dtype(draft) if draft is not None else None}
+        # What tree sizing cuts by: the cost model's curve; without one every size costs a step (nothing is cut).
+        self.verify_cost = cost.verify_cost() if cost is not None else VerifyCost((1,), (1.0,))
 
     def model(self, name: str) -> nn.Module:
         return self.target if name == "target" else self.draft
@@ -156,7 +159,13 @@ class ReplayCache:
     def decoder(self, cfg: DecodeConfig, i: int) -> Decoder:
         """The engine's decoder for ``cfg`` on reference ``i``, its models served from the memo."""
         return Decoder(
-            self.target, None, cfg, self.draft, self.eos, lm=functools.partial(RecordedLM, self, i)
+            self.target,
+            None,
+            cfg,
+            self.draft,
+            self.eos,
+            lm=functools.partial(RecordedLM, self, i),
+            verify_cost=self.verify_cost,
         )
 
     # ------------------------------------------------------------------ rows
@@ -384,10 +393,12 @@ def acceptance(tokens: int, full_calls: int, slim_calls: int, slim_cost: float) 
 def simulate(cache: ReplayCache, cfg: DecodeConfig) -> Estimate:
     """Replay a configuration (greedy) on every calibration prompt."""
     est = Estimate(slim_cost=1.0 - cfg.skip.fraction(cache.num_layers) if cfg.mode == "viasd" else 1.0)
-    recycled: dict = {}  # one decoder runs every prompt when measured: token recycling's tables carry over
+    # One decoder runs every prompt when measured: token recycling's tables and tree sizing's calibration carry over.
+    recycled: dict = {}
+    calibration = Calibration()
     for i, ref in enumerate(cache.refs):
         decoder = cache.decoder(cfg, i)
-        decoder.recycled = recycled
+        decoder.recycled, decoder.calibration = recycled, calibration
         result = decoder.generate(ref.prompt_ids, max_new_tokens=cache.max_new_tokens)
         est.results.append(result)
         est.agree += cache.agreement(i, result.token_ids)

@@ -122,7 +122,14 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
         """Metrics for the exported profile on prompts the search never saw, vs AR and vs plain SD."""
         draft_model = draft.model if draft else None
         return held_out(
-            target.model, target.tokenizer, draft_model, cfg, held_ids, s.max_new_tokens, s.progress
+            target.model,
+            target.tokenizer,
+            draft_model,
+            cfg,
+            held_ids,
+            s.max_new_tokens,
+            s.progress,
+            verify_cost=cost.verify_cost(),
         )
 
     return export_study(study, out, evaluate=evaluate_held_out, dashboard=dashboard)

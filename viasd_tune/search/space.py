@@ -20,6 +20,7 @@ from ..config import (
     GAMMA_MAX,
     KL_KINDS,
     TREE_NODES_MAX,
+    TREE_SIZINGS,
     TREE_SOURCES,
     applies,
     model_drafter,
@@ -141,6 +142,12 @@ SCHEMA: dict[str, Any] = {
                     "uniqueItems": True,
                     "items": {"type": "integer", "minimum": 1, "maximum": TREE_NODES_MAX},
                 },
+                "sizing": {
+                    "type": "array",
+                    "minItems": 1,
+                    "uniqueItems": True,
+                    "items": {"enum": list(TREE_SIZINGS)},
+                },
                 **{
                     source: {
                         "type": "object",
@@ -167,10 +174,12 @@ _WHY_REQUIRED = {
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """Token trees to try (mode sd): node budgets (1: a chain), and each source's depth and width as whole
-    ranges ``(low, high)`` (None: the configuration's default, not searched)."""
+    """Token trees to try (mode sd): node budgets (1: a chain), how a tree is sized each round (``tree_sizing``),
+    and each source's depth and width as whole ranges ``(low, high)`` (None: the configuration's default, not
+    searched)."""
 
     nodes: tuple[int, ...]
+    sizing: tuple[str, ...] = ("fixed",)  # tree_sizing's choices for budgets above 1
     lookup_depth: tuple[int, int] | None = None
     lookup_width: tuple[int, int] | None = None
     recycle_depth: tuple[int, int] | None = None
@@ -463,7 +472,9 @@ def _tree(data: dict[str, Any], source: str) -> TreeSpec:
                     f"search space {source}: $.tree.{name}.{what}: low {r['low']} > high {r['high']}; swap or fix them"
                 )
             ranges[f"{name}_{what}"] = (int(r["low"]), int(r["high"]))
-    return TreeSpec(nodes=tuple(int(n) for n in data["nodes"]), **ranges)
+    return TreeSpec(
+        nodes=tuple(int(n) for n in data["nodes"]), sizing=tuple(data.get("sizing", ("fixed",))), **ranges
+    )
 
 
 def _one_line(text: str) -> str:
