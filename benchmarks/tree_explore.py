@@ -20,6 +20,7 @@ from collections import defaultdict
 from viasd_tune import host, models
 from viasd_tune.config import DecodeConfig
 from viasd_tune.decoding.decoder import Decoder
+from viasd_tune.decoding.tree_sizing import EDGES
 from viasd_tune.prompts import load_prompts, prompt_task_group, sample_prompts
 
 SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
@@ -105,6 +106,17 @@ def main() -> None:
             f"{c['new_tokens'] / max(c['full_calls'], 1):.2f} | {c['tree_nodes_verified'] / max(c['rounds'], 1):.1f} "
             f"| {groups} | {speeds} |"
         )
+    for name, dec, _ in runs:
+        if dec.calibration.counts:  # tree_sizing=cost: what the last repeat learnt of each source's acceptance
+            print(f"\n{name}: acceptance of a node whose parent was accepted, by step score (verified / accepted)")
+            edges = ["0", *(f"{e:g}" for e in EDGES)]
+            for key, table in sorted(dec.calibration.counts.items()):
+                cells = [
+                    f"≤{edges[b + 1] if b + 1 < len(edges) else '1'}: {int(n)} {hit / n:.2f}"
+                    for b, (n, hit) in enumerate(table)
+                    if n
+                ]
+                print(f"  {key}: " + " · ".join(cells))
 
 
 if __name__ == "__main__":

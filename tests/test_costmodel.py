@@ -160,6 +160,11 @@ def test_a_verify_block_is_priced_by_its_size_on_the_measured_curve(model, conte
         ratio = linear.target_time(k, MOST) / linear.target_time(k, None)
         assert curve.target_time(k, MOST) == pytest.approx(curve.target_time(k, None) * ratio)
     assert fitted.target_time(4, MOST) < fitted.target_time(4, None)
+    # what tree sizing cuts by: the curve in steps, never lower for a larger block; the linear model without one
+    cost = curve.verify_cost()
+    assert cost.blocks == (1, 2, 4, 8, 16, 32, 64) and cost(2) == 1.0 and cost(16) == pytest.approx(1.54)
+    line = linear.verify_cost()
+    assert line.blocks[-1] == 64 and line(9) == pytest.approx(linear.target_time(9, None) / linear.target_time(1, None))
 
 
 def test_replayed_tree_rounds_cost_what_decoding_measures(model) -> None:

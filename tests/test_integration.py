@@ -63,6 +63,8 @@ LOSSLESS = {
     "sd-lookup": DecodeConfig(mode="sd", gamma=5, drafter="lookup"),
     # A token tree (issue 33): lookup and token recycling under a budget of 12 nodes, 6 deep at most.
     "sd-tree-lookup+recycle": DecodeConfig(mode="sd", gamma=6, drafter="lookup+recycle", tree_nodes=12),
+    # The same, each round cut to this host's measured verify cost (timed when the decoder loads).
+    "sd-tree-cost": DecodeConfig(mode="sd", gamma=6, drafter="lookup+recycle", tree_nodes=12, tree_sizing="cost"),
     "viasd-escalate0": DecodeConfig(
         mode="viasd",
         gamma=4,

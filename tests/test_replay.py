@@ -19,6 +19,7 @@ from conftest import logits_over_committed, noisy_copy, tiny_model
 from viasd_tune.config import CHAIN_DRAFTERS, HYBRIDS, DecodeConfig
 from viasd_tune.decoding.common import CachedLM
 from viasd_tune.decoding.decoder import Decoder
+from viasd_tune.decoding.tree_sizing import VerifyCost
 from viasd_tune.fidelity import greedy_agreement
 from viasd_tune.routing import SkipSet, install_skipping
 from viasd_tune.search import costmodel, replay
@@ -193,6 +194,24 @@ def test_replay_serves_tree_rounds(models, drafter: str) -> None:
     for cfg in cfgs:
         check(cache, cfg, decode(target, draft, cfg, ps))
     assert cache.memo.misses == misses
+
+
+@pytest.mark.parametrize("drafter", ["lookup+recycle", "lookup+recycle+model"])
+def test_replay_cuts_trees_as_decoding_does(models, drafter: str) -> None:
+    """``tree_sizing`` cost through the replay: the same curve and a calibration carried across the prompts as
+    one decoder carries it, so real decoding's tokens and counts; the cut verifies fewer nodes than the budget."""
+    target, draft = models
+    ps = prompts(4, seed=60)
+    cache = replay.ReplayCache(target, references(target, ps), draft, max_new_tokens=MAX_NEW, eos=EOS)
+    cache.verify_cost = VerifyCost((1, 4, 32), (1.0, 1.1, 4.0))
+    fixed = sized = 0
+    for cfg in (c for c in tree_configs(drafter, seed=9, n=6) if c.tree_nodes > 1):
+        cut = DecodeConfig.from_dict({**cfg.to_dict(), "tree_sizing": "cost"})
+        sized += int(check(cache, cut, decode(target, draft, cut, ps, verify_cost=cache.verify_cost)).total(
+            "tree_nodes_verified"
+        ))
+        fixed += int(replay.simulate(cache, cfg).total("tree_nodes_verified"))
+    assert 0 < sized < fixed
 
 
 def test_replay_of_ar_is_the_reference(models) -> None:

@@ -54,7 +54,9 @@ def test_calibration_learns_only_where_the_parent_was_accepted():
     # nodes 0 and 1 hang from the root, 2 from 0 (accepted), 3 from 1 (rejected: says nothing)
     for _ in range(20):
         cal.learn(["lookup"] * 4, [0.4, 0.4, 1.0, 1.0], [-1, -1, 0, 1], path=[0])
-    assert cal.prob("lookup", 0.4) == pytest.approx((20 + 0.8) / (40 + 2))  # half of 40 verified root children
+    assert cal.prob("lookup", 0.4) == pytest.approx(
+        (20 + 0.8) / (40 + 2)
+    )  # half of 40 verified root children
     assert cal.prob("lookup", 1.0) == pytest.approx(2 / 22)  # node 2 every time, never node 3
     assert cal.prob("recycle", 0.4) == pytest.approx(0.4)  # another source's table is its own
     assert len(EDGES) + 1 == cal.counts["lookup"].shape[0]
@@ -67,7 +69,9 @@ def _random_case(rng: random.Random, n: int, sampled: bool):
         scores.append((1.0 if p < 0 else scores[p]) * rng.choice([1.0, rng.random()]))
     flags = [rng.random() < 0.2 for _ in range(n)] if sampled else None
     tree = Tree([rng.randrange(3, 50) for _ in range(n)], parents, sampled=None)
-    object.__setattr__(tree, "sampled", flags)  # cut reads the marks only; their sibling order is merge's business
+    object.__setattr__(
+        tree, "sampled", flags
+    )  # cut reads the marks only; their sibling order is merge's business
     keys = [rng.choice(["lookup", "recycle", "lookup+recycle"]) for _ in range(n)]
     cal = Calibration()
     for _ in range(5):
@@ -98,7 +102,10 @@ def test_cut_keeps_a_subtree_with_every_sampled_node_and_the_best_prefix(seed):
     path_prob = []
     for i, p in enumerate(tree.parents):
         path_prob.append(min(1.0, cal.prob(keys[i], min(steps[i], 1.0))) * (path_prob[p] if p >= 0 else 1.0))
-    order, frontier = [], {i for i, p in enumerate(tree.parents) if (p < 0 or p in forced) and i not in forced}
+    order, frontier = (
+        [],
+        {i for i, p in enumerate(tree.parents) if (p < 0 or p in forced) and i not in forced},
+    )
     while frontier:
         c = max(frontier, key=lambda i: (scores[i], -i))
         order.append(c)
@@ -119,7 +126,9 @@ def test_cut_follows_the_cost_curve():
 
 
 def test_subtree_keeps_order_parents_and_sampling_rows():
-    tree = Tree([5, 6, 7, 8], [-1, -1, 0, 2], torch.arange(4.0)[:, None].repeat(1, 3), [True, False, False, False])
+    tree = Tree(
+        [5, 6, 7, 8], [-1, -1, 0, 2], torch.arange(4.0)[:, None].repeat(1, 3), [True, False, False, False]
+    )
     small = subtree(tree, [0, 2, 3])
     assert (small.tokens, small.parents, small.sampled) == ([5, 7, 8], [-1, 0, 1], [True, False, False])
     assert small.q_logits[:, 0].tolist() == [0.0, 2.0, 3.0]
@@ -181,9 +190,14 @@ def test_sizing_cuts_trees_and_forget_starts_cold(pair):
 
 def test_decoder_measures_the_curve_when_none_is_given():
     target = tiny_model("llama", seed=0, layers=2)
-    dec = Decoder(target, None, DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=9, tree_sizing="cost"))
+    dec = Decoder(
+        target, None, DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=9, tree_sizing="cost")
+    )
     assert dec.verify_cost is not None and dec.verify_cost.blocks[-1] == 10
-    assert Decoder(target, None, DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=9)).verify_cost is None
+    assert (
+        Decoder(target, None, DecodeConfig(mode="sd", drafter="lookup+recycle", tree_nodes=9)).verify_cost
+        is None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +250,9 @@ def test_a_seeded_sample_repeats_whatever_the_decoder_served_before(small_vocab_
 def test_tree_sizing_is_checked_refused_on_a_chain_and_round_trips():
     with pytest.raises(UserError, match="unknown tree_sizing 'auto'"):
         DecodeConfig(mode="sd", drafter="lookup", tree_nodes=8, tree_sizing="auto")
-    with pytest.raises(UserError, match=r"tree_sizing \(--tree-sizing\) cost cuts a token tree.*--tree-nodes above 1"):
+    with pytest.raises(
+        UserError, match=r"tree_sizing \(--tree-sizing\) cost cuts a token tree.*--tree-nodes above 1"
+    ):
         DecodeConfig(mode="sd", drafter="lookup+recycle", tree_sizing="cost")
     with pytest.raises(UserError, match="does nothing in mode ar"):
         DecodeConfig(mode="ar", tree_sizing="cost")
