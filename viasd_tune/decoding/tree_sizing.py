@@ -32,7 +32,8 @@ from .tree import Tree
 # Upper edges of the step-score bins (a step's score over its parent's, in [0, 1]); the last bin is "certain".
 EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 0.999])
 PRIOR = 2.0  # pseudo-verifications at the raw step score, so an empty bin trusts its source
-MEASURED_BLOCKS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verify blocks timed on load, up to the tree's largest
+# Verify blocks timed on load, up to the tree's largest.
+MEASURED_BLOCKS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
 @dataclass(frozen=True)
@@ -113,16 +114,26 @@ def _bin(step: float) -> int:
 
 
 def cut(
-    tree: Tree, scores: list[float], keys: list[str], calibration: Calibration, cost: VerifyCost, pending: int = 1
+    tree: Tree,
+    scores: list[float],
+    keys: list[str],
+    calibration: Calibration,
+    cost: VerifyCost,
+    pending: int = 1,
 ) -> tuple[list[int], list[float]]:
     """The nodes to verify (ascending) and every node's step score. Sampled nodes and their ancestors stay;
     the others are added best score first (each after its parent, the merge's order) while that raises
     expected tokens (1 + the kept nodes' path probabilities) per unit of :class:`VerifyCost` at
     ``pending`` + kept nodes; the best prefix is kept."""
-    steps = [s / (scores[p] if p >= 0 and scores[p] > 0 else 1.0) for s, p in zip(scores, tree.parents, strict=True)]
+    steps = [
+        s / (scores[p] if p >= 0 and scores[p] > 0 else 1.0)
+        for s, p in zip(scores, tree.parents, strict=True)
+    ]
     path_prob: list[float] = []
     for i, p in enumerate(tree.parents):
-        path_prob.append(min(1.0, calibration.prob(keys[i], min(steps[i], 1.0))) * (path_prob[p] if p >= 0 else 1.0))
+        path_prob.append(
+            min(1.0, calibration.prob(keys[i], min(steps[i], 1.0))) * (path_prob[p] if p >= 0 else 1.0)
+        )
     forced: set[int] = set()
     for i in range(tree.n):
         j = i
