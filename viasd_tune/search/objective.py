@@ -105,7 +105,7 @@ class Objective:
             self.refs,
             s.max_new_tokens,
             flip=flip,
-            verify_cost=self.cost.verify_cost(),
+            verify_cost=self.cost.verify_cost() if cfg.tree_sizing == "cost" else None,
         )
         if not all(map(finite, (m.speedup, m.fidelity, m.acceptance))):
             raise RuntimeError("non-finite measurement (the skip set may produce NaNs)")

@@ -129,7 +129,7 @@ def run_search(s: SearchSettings, dashboard: DashboardWriter | None = None) -> d
             held_ids,
             s.max_new_tokens,
             s.progress,
-            verify_cost=cost.verify_cost(),
+            verify_cost=cost.verify_cost() if cfg.tree_sizing == "cost" else None,
         )
 
     return export_study(study, out, evaluate=evaluate_held_out, dashboard=dashboard)
