@@ -113,6 +113,26 @@ def small_vocab_pair():
     return target, draft
 
 
+def first_two_tokens(decoder: Decoder, target, prompt: list[int], sampling: Sampling):
+    """The target's first-token distribution and second-token marginal (sum_x p(x) p(. | x)) after ``prompt``,
+    the histograms of the first two tokens ``decoder`` samples over N_SEEDS seeds, and the tree nodes it
+    accepted and verified in all."""
+    first = probs_from_logits(next_token_logits(target, prompt=prompt)[None], sampling)[0]
+    second = sum(
+        first[x] * probs_from_logits(next_token_logits(target, prompt=prompt + [x])[None], sampling)[0]
+        for x in range(V)
+    )
+    hists = torch.zeros(2, V, dtype=torch.long)
+    accepted = verified = 0
+    for seed in range(N_SEEDS):
+        out = decoder.generate(prompt, 2, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+        hists[0, out.token_ids[0]] += 1
+        hists[1, out.token_ids[1]] += 1
+        accepted += out.stats.tree_depth_accepted
+        verified += out.stats.tree_nodes_verified
+    return first, second, hists, accepted, verified
+
+
 @pytest.mark.parametrize("sampling", [Sampling(1.0, 1.0), Sampling(0.8, 0.9)], ids=str)
 def test_draft_model_tree_first_two_tokens_follow_the_target(small_vocab_pair, sampling):
     """A draft-model tree (each expanded node: one sampled child and its top-k others) far from the target:
@@ -122,20 +142,9 @@ def test_draft_model_tree_first_two_tokens_follow_the_target(small_vocab_pair, s
         mode="sd", gamma=3, drafter="model", tree_nodes=7, tree_model_width=3, tree_model_depth=3
     )
     decoder = Decoder(target, None, cfg, draft=draft, eos=set())
-    first = probs_from_logits(next_token_logits(target)[None], sampling)[0]
+    first, second, hists, accepted, _ = first_two_tokens(decoder, target, PROMPT, sampling)
     q = probs_from_logits(next_token_logits(draft)[None], sampling)[0]
     assert N_SEEDS * ((q - first) ** 2 / first.clamp_min(1e-9)).sum() > 10 * CHI2_CRIT_P001[7]
-    second = sum(
-        first[x] * probs_from_logits(next_token_logits(target, prompt=PROMPT + [x])[None], sampling)[0]
-        for x in range(V)
-    )
-    hists = torch.zeros(2, V, dtype=torch.long)
-    accepted = 0
-    for seed in range(N_SEEDS):
-        out = decoder.generate(PROMPT, 2, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
-        hists[0, out.token_ids[0]] += 1
-        hists[1, out.token_ids[1]] += 1
-        accepted += out.stats.tree_depth_accepted
     assert accepted > N_SEEDS // 10  # the tree's nodes were accepted, not only corrections drawn
     assert_fits(hists[0], first, "first token")
     assert_fits(hists[1], second, "second token")
@@ -149,19 +158,7 @@ def test_lookup_and_recycling_tree_first_two_tokens_follow_the_target(small_voca
     sampling = Sampling(1.0, 1.0)
     cfg = DecodeConfig(mode="sd", gamma=3, drafter="lookup+recycle", tree_nodes=6, tree_lookup_width=3)
     decoder = Decoder(target, None, cfg, eos=set())
-    first = probs_from_logits(next_token_logits(target, prompt=prompt)[None], sampling)[0]
-    second = sum(
-        first[x] * probs_from_logits(next_token_logits(target, prompt=prompt + [x])[None], sampling)[0]
-        for x in range(V)
-    )
-    hists = torch.zeros(2, V, dtype=torch.long)
-    verified = accepted = 0
-    for seed in range(N_SEEDS):
-        out = decoder.generate(prompt, 2, temperature=1.0, seed=seed)
-        hists[0, out.token_ids[0]] += 1
-        hists[1, out.token_ids[1]] += 1
-        verified += out.stats.tree_nodes_verified
-        accepted += out.stats.tree_depth_accepted
+    first, second, hists, accepted, verified = first_two_tokens(decoder, target, prompt, sampling)
     assert verified > N_SEEDS and accepted > N_SEEDS // 10
     assert_fits(hists[0], first, "first token")
     assert_fits(hists[1], second, "second token")

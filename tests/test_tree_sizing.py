@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import noisy_copy, tiny_model
-from test_sampling import N_SEEDS, PROMPT, V, assert_fits, next_token_logits
+from test_sampling import N_SEEDS, PROMPT, V, assert_fits
 from test_tree import TREE_DRAFTERS, prompts, random_tree_config
+from test_tree_sampling import first_two_tokens
 
 from viasd_tune.config import DecodeConfig
-from viasd_tune.decoding.common import Sampling, probs_from_logits
+from viasd_tune.decoding.common import Sampling
 from viasd_tune.decoding.decoder import Decoder
 from viasd_tune.decoding.tree import Tree
 from viasd_tune.decoding.tree_sizing import EDGES, Calibration, VerifyCost, cut, measure_verify_cost, subtree
@@ -214,20 +215,7 @@ def test_sampling_over_sized_trees_follows_the_target(small_vocab_pair, drafter)
     shape = {"tree_model_width": 3, "tree_model_depth": 3} if drafter == "model" else {"tree_lookup_width": 3}
     cfg = DecodeConfig(mode="sd", gamma=3, drafter=drafter, tree_nodes=7, tree_sizing="cost", **shape)
     decoder = Decoder(target, None, cfg, draft=draft, eos=set(), verify_cost=VerifyCost((1, 8), (1.0, 2.0)))
-    sampling = Sampling(1.0, 1.0)
-    first = probs_from_logits(next_token_logits(target, prompt=prompt)[None], sampling)[0]
-    second = sum(
-        first[x] * probs_from_logits(next_token_logits(target, prompt=prompt + [x])[None], sampling)[0]
-        for x in range(V)
-    )
-    hists = torch.zeros(2, V, dtype=torch.long)
-    accepted = verified = 0
-    for seed in range(N_SEEDS):
-        out = decoder.generate(prompt, 2, temperature=1.0, seed=seed)
-        hists[0, out.token_ids[0]] += 1
-        hists[1, out.token_ids[1]] += 1
-        accepted += out.stats.tree_depth_accepted
-        verified += out.stats.tree_nodes_verified
+    first, second, hists, accepted, verified = first_two_tokens(decoder, target, prompt, Sampling(1.0, 1.0))
     assert accepted > N_SEEDS // 10 and verified < 7 * 2 * N_SEEDS  # nodes accepted, and trees were cut
     assert_fits(hists[0], first, "first token")
     assert_fits(hists[1], second, "second token")
