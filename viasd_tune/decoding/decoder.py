@@ -51,7 +51,7 @@ class Decoder:
     ``lm`` builds the engine's view of each model over its KV cache, called as ``CachedLM`` is (model, skip,
     tier, stats, sync): the models run for real by default; the search's replay serves recorded forwards.
     ``verify_cost``: the target's forward cost by block size, for ``tree_sizing`` ``cost`` (None: measured on
-    this host before the first tree request; the search passes its cost model's curve)."""
+    this host when the decoder is built, before any request is timed; the search passes its cost model's curve)."""
 
     def __init__(
         self,
