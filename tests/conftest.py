@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+from viasd_tune.decoding.common import CachedLM
 
 VOCAB = 96
 
@@ -131,3 +135,32 @@ def logits_over_committed(model, seq: list[int], committed: int, skip=None) -> t
             use_cache=True,
         )
     return out.logits[0].float()
+
+
+class _PricedLM(CachedLM):
+    """The engine's own LM whose clock reads the cost model's price of each pass it runs (model, tokens fed, skip
+    set) instead of the time the pass took. Decoding then "measures" exactly what the replay should model, so a
+    test compares the two to rounding on any host; comparing the fit with a later timing failed on a different
+    CI CPU (the self-draft tier modelled 0.45x its timing there)."""
+
+    def __init__(self, model, *args, cost, target, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        self.cost, self.is_target = cost, model is target
+
+    def _price(self, tokens: int, skip) -> float:
+        if self.is_target:
+            return self.cost.target_time(tokens, skip)
+        return self.cost.draft_time(tokens, skip)
+
+    def _logits(self, ids, start, skip, keep):
+        logits, _ = super()._logits(ids, start, skip, keep)
+        return logits, self._price(ids.numel() - start, self.skip if skip is None else skip)
+
+    def _tree_logits(self, ids, tree, base, fed):
+        logits, _ = super()._tree_logits(ids, tree, base, fed)
+        return logits, self._price(ids.numel() - base + tree.n - fed, self.skip)
+
+
+def priced_lm(cost, target):
+    """A ``Decoder(lm=…)`` factory of LMs timed by ``cost`` (a fitted ``CostModel``) over ``target``'s passes."""
+    return functools.partial(_PricedLM, cost=cost, target=target)
