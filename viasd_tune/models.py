@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import kernels
 from .errors import UserError
 from .host import cpu_has_native_bf16
 
@@ -339,6 +340,8 @@ def load(
     if kind == "hub":
         source["revision"] = getattr(model.config, "_commit_hash", None) or "unknown"
     model.to(dev).eval()
+    free = min((avail for _, avail, _ in available_memory()), default=None)
+    kernels.pack_linears(model, memory=None if free is None else free // 2)  # CPU bf16 only; see kernels.py
     return LoadedModel(model, tokenizer, spec, fingerprint(model, tokenizer, source))
 
 

@@ -451,6 +451,8 @@ class Runner:
     def _hf(self, method: Method, ids: torch.Tensor, max_new: int) -> tuple[list[int], float]:
         import torch
 
+        from .. import kernels
+
         kw = {**self.hf_kwargs, **method.generate_kwargs, "max_new_tokens": max_new}
         saved = None
         if method.assistant_config is not None:
@@ -463,7 +465,8 @@ class Runner:
         try:
             self._sync()
             t0 = time.perf_counter()
-            seq = self.target.generate(inp, attention_mask=torch.ones_like(inp), **kw)
+            with kernels.stock(self.target, self.draft):  # HF as a user runs it, on PyTorch's own kernels
+                seq = self.target.generate(inp, attention_mask=torch.ones_like(inp), **kw)
             self._sync()
             seconds = time.perf_counter() - t0
         finally:

@@ -138,7 +138,7 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
 
     Without ``s.model`` the target is the first profile's, else ``default_model``.
     """
-    from .. import models
+    from .. import kernels, models
 
     s.validate()
     started = dt.datetime.now(dt.timezone.utc)
@@ -175,6 +175,8 @@ def run_bench(s: BenchSettings, default_model: str | None = None) -> dict:
     )
     device = target.model.device
     machine = machine_info(device)
+    # ours on oneDNN-packed bf16 weights where load packed them; the HF methods always on PyTorch's own kernels
+    machine["linear_kernels"] = "onednn-packed" if kernels.is_packed(target.model) else "stock"
 
     runner = bm.Runner(
         target, draft, eos, wait_idle=s.wait_idle, foreign_max=s.foreign_max, retries=s.retries
