@@ -3,7 +3,8 @@
 PyTorch's CPU ``F.linear`` in bf16 hands oneDNN a plain row-major weight on every call. Packing it once
 (``torch.ops.mkldnn._reorder_linear_weight``, the op inductor's freezing pass uses) and calling the packed matmul
 gives the same output bit for bit, faster: on Qwen2.5-Coder-1.5B on an AVX-512-bf16 host one decode step runs
-1.2x and an 8-to-17-token verify block 1.3-1.5x faster (``benchmarks/bench_kernels.py``). Bit-identical output
+1.8x and a 17-token verify block 1.6x faster (``benchmarks/bench_kernels.py``; report in
+``benchmarks/results/kernels-avx512bf16.md``). Bit-identical output
 is checked for every weight shape when packing, and a shape whose packed output differs stays stock, so decoding
 emits the same tokens either way.
 
@@ -80,8 +81,10 @@ def pack_linears(model: nn.Module, memory: int | None = None) -> int:
     packed_n = 0
     with torch.inference_mode():
         for mod in linears:
-            packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), 1)
             shape = (*mod.weight.shape, mod.bias is not None)
+            if verdict.get(shape) is False:
+                continue
+            packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), 1)
             if shape not in verdict:
                 verdict[shape] = _same_output(mod, packed)
             if verdict[shape]:
