@@ -150,9 +150,6 @@ class ReplayCache:
         self.memo = Memo(budget)
         self._cursors: OrderedDict[tuple, tuple[CachedLM, list[int]]] = OrderedDict()
         self._dtype = {"target": _dtype(target), "draft": _dtype(draft) if draft is not None else None}
-        # What tree sizing cuts by (set on first need): the cost model's curve; without a cost model every size
-        # costs a step, so nothing is cut.
-        self.verify_cost: VerifyCost | None = None
 
     def model(self, name: str) -> nn.Module:
         return self.target if name == "target" else self.draft
@@ -166,13 +163,14 @@ class ReplayCache:
             self.draft,
             self.eos,
             lm=functools.partial(RecordedLM, self, i),
-            verify_cost=self._verify_cost() if cfg.tree_sizing == "cost" else None,
+            verify_cost=self.verify_cost if cfg.tree_sizing == "cost" else None,
         )
 
-    def _verify_cost(self) -> VerifyCost:
-        if self.verify_cost is None:
-            self.verify_cost = self.cost.verify_cost() if self.cost is not None else VerifyCost((1,), (1.0,))
-        return self.verify_cost
+    @functools.cached_property
+    def verify_cost(self) -> VerifyCost:
+        """What tree sizing cuts by, derived on the first trial that cuts: the cost model's curve; without a cost
+        model every size costs a step, so nothing is cut."""
+        return self.cost.verify_cost() if self.cost is not None else VerifyCost((1,), (1.0,))
 
     # ------------------------------------------------------------------ rows
 
